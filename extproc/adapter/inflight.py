@@ -1,0 +1,38 @@
+"""Requests in flight per host, counted from the routing decision to the stream's end.
+
+Envoy keeps the ext_proc stream open for the whole HTTP request and closes it when the
+response completes or the client aborts, so releasing on stream end is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from extproc import metrics
+
+
+class InFlight:
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+
+    def acquire(self, host: str) -> None:
+        count = self._counts.get(host, 0) + 1
+        self._counts[host] = count
+        metrics.IN_FLIGHT.labels(host).set(count)
+
+    def release(self, host: str) -> None:
+        count = self._counts.get(host, 0) - 1
+        if count <= 0:
+            self._counts.pop(host, None)
+            count = 0
+        else:
+            self._counts[host] = count
+        metrics.IN_FLIGHT.labels(host).set(count)
+
+    def snapshot(self) -> Mapping[str, int]:
+        """A read-only view: the picker reads it, only acquire/release change it."""
+        return MappingProxyType(self._counts)
+
+    def total(self) -> int:
+        return sum(self._counts.values())

@@ -1,0 +1,327 @@
+"""The ``prefix-router`` command. The only place errors become exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import signal
+import socket
+import sys
+import threading
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+from extproc.errors import ConfigError, RouterError
+
+EXIT_USAGE = 2
+
+
+def _ip_port(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    try:
+        ipaddress.ip_address(host)
+        number = int(port)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not ip:port") from None
+    if not 0 < number < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r}: port must be 1-65535")
+    return host, number
+
+
+def _backend_url(text: str) -> tuple[str, int]:
+    """``http://host:port`` (or ``host:port``) resolved to an IP, as Envoy matches on IPs."""
+    parsed = urllib.parse.urlsplit(text if "://" in text else f"http://{text}")
+    if parsed.scheme != "http" or not parsed.hostname:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected http://host:port")
+    port = parsed.port or 80
+    try:
+        address = socket.getaddrinfo(parsed.hostname, port, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot resolve ({error})") from None
+    return str(address[0][4][0]), port
+
+
+def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("routing (override the config file and environment)")
+    group.add_argument(
+        "--routing-strategy",
+        choices=["RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE"],
+        help="how to pick the upstream (default PREFIX_AWARE)",
+    )
+    group.add_argument(
+        "--prefix-length",
+        type=int,
+        help="bytes (native) or characters (openai) of the prompt that form the key, "
+        "1024-65536 (default 8192)",
+    )
+    group.add_argument(
+        "--concurrency-threshold",
+        type=int,
+        help="requests in flight on a host before new ones overflow, 1-1024 (default 32)",
+    )
+    group.add_argument(
+        "--key-mode",
+        choices=["openai", "native"],
+        help="openai: message text of the JSON body; native: raw body bytes (default openai)",
+    )
+
+
+def _routing_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "routing_strategy": args.routing_strategy,
+        "prefix_length": args.prefix_length,
+        "concurrency_threshold": args.concurrency_threshold,
+        "key_mode": args.key_mode,
+    }
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    from extproc import logs
+    from extproc.adapter.service import serve
+    from extproc.config import load_config
+
+    overrides = _routing_overrides(args)
+    overrides["listen"] = args.listen
+    overrides["metrics_listen"] = args.metrics_listen
+    if args.host:
+        overrides["hosts"] = tuple(args.host)
+    config = load_config(args.config, overrides=overrides)
+    logs.configure(config.log_level)
+    asyncio.run(serve(config))
+    return 0
+
+
+def _cmd_sim(args: argparse.Namespace) -> int:
+    from extproc import logs
+    from extproc.sim.server import SimOptions, run
+
+    logs.configure("info")
+    options = SimOptions(
+        capacity_blocks=args.capacity_blocks,
+        ttft_ms=args.ttft_ms,
+        itl_ms=args.itl_ms,
+        model=args.model,
+    )
+    run(args.address, options)
+    return 0
+
+
+def _cmd_envoy_config(args: argparse.Namespace) -> int:
+    from extproc.stack.bootstrap import BootstrapParams, render
+
+    params = BootstrapParams(
+        mode=args.mode,
+        listen=args.listen,
+        admin=args.admin,
+        routers=tuple(args.router) or BootstrapParams.routers,
+        backends=tuple(args.backend) or BootstrapParams.backends,
+        upstream_host_header=not args.no_upstream_host_header,
+    )
+    sys.stdout.write(render(params))
+    return 0
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from extproc.config import load_config
+    from extproc.stack.local import LocalStack, StackSpec, simulated_backends
+
+    overrides = {k: v for k, v in _routing_overrides(args).items() if v is not None}
+    # Validate routing settings here, so a bad value fails before anything starts.
+    load_config(env={}, overrides=overrides)
+    spec = StackSpec(
+        mode=args.mode,
+        listen=args.listen,
+        admin=args.admin,
+        router=args.router_listen,
+        router_metrics=args.router_metrics,
+        external_backends=tuple(args.backend),
+        sim_backends=() if args.backend else simulated_backends(args.backends, args.sim_port),
+        router_settings=overrides,
+        upstream_host_header=not args.no_upstream_host_header,
+        sim_args=("--ttft-ms", str(args.sim_ttft_ms), "--itl-ms", str(args.sim_itl_ms)),
+        work_dir=args.work_dir,
+    )
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    stack = LocalStack(spec)
+    print("starting simulators, router and envoy ...", flush=True)
+    with stack:
+        backends = ", ".join(f"{h}:{p}" for h, p in spec.backends)
+        print(f"prefix-router is up: {stack.url}  (backends: {backends})", flush=True)
+        print(f"  envoy admin {stack.admin_url}   router metrics {stack.router_metrics_url}")
+        print(f"  logs in {stack.work_dir}")
+        print(
+            f"  try: curl -si {stack.url}/v1/chat/completions -H 'content-type: application/json'"
+            ' -d \'{"model":"sim-model","messages":[{"role":"user","content":"hello"}]}\'',
+            flush=True,
+        )
+        print("Ctrl-C stops everything.", flush=True)
+        while not stop.wait(0.5):
+            for process in [stack.envoy, stack.router, *stack.sims]:
+                if process is not None and not process.running:
+                    print(f"{process.name} exited unexpectedly:\n{process.log_tail()}", flush=True)
+                    return 1
+    print("stopped.", flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="prefix-router",
+        description="Prefix-aware routing for vLLM fleets behind Envoy (ext_proc).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    up = commands.add_parser(
+        "up",
+        help="run Envoy, the router and a simulated vLLM fleet on loopback",
+        description="Start, on loopback: simulated vLLM backends (or your --backend URLs), "
+        "the router and Envoy, and print the URL. Ctrl-C stops everything.",
+    )
+    up.add_argument(
+        "--listen",
+        type=_ip_port,
+        default=("127.0.0.1", 10000),
+        help="Envoy's listener, ip:port (default 127.0.0.1:10000)",
+    )
+    up.add_argument(
+        "--admin",
+        type=_ip_port,
+        default=("127.0.0.1", 9901),
+        help="Envoy's admin interface, ip:port (default 127.0.0.1:9901)",
+    )
+    up.add_argument(
+        "--router-listen",
+        type=_ip_port,
+        default=("127.0.0.1", 50051),
+        help="the router's gRPC address, ip:port (default 127.0.0.1:50051)",
+    )
+    up.add_argument(
+        "--router-metrics",
+        type=_ip_port,
+        default=("127.0.0.1", 9102),
+        help="the router's Prometheus endpoint, ip:port (default 127.0.0.1:9102)",
+    )
+    up.add_argument(
+        "--mode",
+        choices=["override-host", "original-dst"],
+        default="override-host",
+        help="how Envoy applies the choice (default override-host)",
+    )
+    up.add_argument(
+        "--backends", type=int, default=3, help="how many simulated backends to start (default 3)"
+    )
+    up.add_argument(
+        "--sim-port",
+        type=int,
+        default=8000,
+        help="port of the simulated backends, on 127.0.0.11, .12, ... (default 8000)",
+    )
+    up.add_argument(
+        "--sim-ttft-ms",
+        type=float,
+        default=20.0,
+        help="simulated time to first token in ms (default 20)",
+    )
+    up.add_argument(
+        "--sim-itl-ms",
+        type=float,
+        default=5.0,
+        help="simulated time per further output token in ms (default 5)",
+    )
+    up.add_argument(
+        "--backend",
+        type=_backend_url,
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a real vLLM server, http://host:port; repeatable. Replaces the simulated fleet",
+    )
+    up.add_argument(
+        "--no-upstream-host-header",
+        action="store_true",
+        help="do not add x-upstream-host to responses",
+    )
+    up.add_argument(
+        "--work-dir",
+        type=Path,
+        help="where configs and logs go (default: a new temp dir, removed on exit)",
+    )
+    _add_routing_flags(up)
+    up.set_defaults(handler=_cmd_up)
+
+    router = commands.add_parser("router", help="run the ext_proc router (gRPC)")
+    router.add_argument("--config", type=Path, help="YAML config file")
+    router.add_argument("--listen", help="gRPC listen address, ip:port (default 127.0.0.1:50051)")
+    router.add_argument("--metrics-listen", help="Prometheus address (default 127.0.0.1:9102)")
+    router.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        metavar="IP:PORT",
+        help="an upstream host; repeatable (replaces the config's hosts)",
+    )
+    _add_routing_flags(router)
+    router.set_defaults(handler=_cmd_router)
+
+    sim = commands.add_parser("sim", help="run simulated vLLM backends")
+    sim.add_argument(
+        "--address",
+        type=_ip_port,
+        action="append",
+        required=True,
+        help="ip:port to serve one simulated instance on; repeatable",
+    )
+    sim.add_argument(
+        "--capacity-blocks",
+        type=int,
+        default=4096,
+        help="prefix-cache capacity in blocks of 16 tokens (default 4096)",
+    )
+    sim.add_argument("--ttft-ms", type=float, default=0.0, help="time to first token, ms")
+    sim.add_argument("--itl-ms", type=float, default=0.0, help="time per further token, ms")
+    sim.add_argument("--model", default="sim-model", help="model name served")
+    sim.set_defaults(handler=_cmd_sim)
+
+    envoy = commands.add_parser("envoy-config", help="print an Envoy bootstrap")
+    envoy.add_argument("--mode", choices=["override-host", "original-dst"], default="override-host")
+    envoy.add_argument("--listen", type=_ip_port, default=("127.0.0.1", 10000))
+    envoy.add_argument("--admin", type=_ip_port, default=("127.0.0.1", 9901))
+    envoy.add_argument(
+        "--router",
+        type=_ip_port,
+        action="append",
+        default=[],
+        help="a router process, ip:port; repeatable",
+    )
+    envoy.add_argument(
+        "--backend",
+        type=_ip_port,
+        action="append",
+        default=[],
+        help="a backend, ip:port; repeatable",
+    )
+    envoy.add_argument("--no-upstream-host-header", action="store_true")
+    envoy.set_defaults(handler=_cmd_envoy_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except ConfigError as error:
+        print(f"prefix-router: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except (RouterError, OSError) as error:
+        print(f"prefix-router: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

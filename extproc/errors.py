@@ -1,0 +1,33 @@
+"""One error hierarchy for the whole project.
+
+Lower layers raise these; only the edges (the CLI, the ext_proc stream) translate them
+into exit codes, gRPC statuses or HTTP responses.
+"""
+
+from __future__ import annotations
+
+
+class RouterError(Exception):
+    """Base class of every error this project raises on purpose."""
+
+
+class ConfigError(RouterError):
+    """A configuration value is missing, malformed or out of range.
+
+    The message names the field, the bad value and what is allowed, so an operator can fix
+    the file without reading code. The CLI maps it to exit code 2.
+    """
+
+    def __init__(self, field: str, value: object, allowed: str) -> None:
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"invalid config: {field}={value!r}: allowed {allowed}")
+
+
+class NoHostsError(RouterError):
+    """The published host set is empty, so no upstream can be chosen."""
+
+
+class ProtocolError(RouterError):
+    """Envoy sent an ext_proc message that the current phase does not expect."""

@@ -1,0 +1,94 @@
+"""The decision core: strategy + placement + overflow, with no I/O, clock or randomness.
+
+``decide`` is the only entry point. Randomness is injected as a number in [0, 1), and
+load is a snapshot mapping host address to requests in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+from extproc.errors import NoHostsError
+from extproc.picker.hosts import Host, HostSet
+from extproc.picker.placement import placement_order
+
+
+class Strategy(StrEnum):
+    RANDOM = "RANDOM"
+    LEAST_OUTSTANDING_REQUESTS = "LEAST_OUTSTANDING_REQUESTS"
+    PREFIX_AWARE = "PREFIX_AWARE"
+
+
+class Outcome(StrEnum):
+    """How the primary host was chosen; a metric label."""
+
+    # PREFIX_AWARE: the key's first host, under the threshold.
+    PLACED = "placed"
+    # PREFIX_AWARE: the first host was at the threshold; a later host in the order took it.
+    OVERFLOW = "overflow"
+    # PREFIX_AWARE: every host was at the threshold; the least-loaded one took it.
+    SATURATED = "saturated"
+    RANDOM = "random"
+    LEAST_LOADED = "least_loaded"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """An ordered list of targets (primary first, then failover) and how it was chosen."""
+
+    targets: tuple[str, ...]
+    outcome: Outcome
+    strategy: Strategy
+
+    @property
+    def primary(self) -> str:
+        return self.targets[0]
+
+
+def _load(loads: Mapping[str, int], host: Host) -> int:
+    return loads.get(host.address, 0)
+
+
+def _with_failover(primary: Host, order: tuple[Host, ...], failover: int) -> tuple[str, ...]:
+    rest = [h.address for h in order if h is not primary][:failover]
+    return (primary.address, *rest)
+
+
+def decide(
+    digest: int,
+    hosts: HostSet,
+    loads: Mapping[str, int],
+    strategy: Strategy,
+    concurrency_threshold: int,
+    failover: int,
+    rand: float,
+) -> Decision:
+    """Pick the upstream for one request.
+
+    ``digest`` is the salted key digest (ignored by RANDOM and LEAST_OUTSTANDING_REQUESTS),
+    ``failover`` is how many extra hosts to append for Envoy's retries, and ``rand`` in
+    [0, 1) breaks ties and drives RANDOM. Never returns a host outside ``hosts``.
+    """
+    if not hosts.hosts:
+        raise NoHostsError("the published host set is empty")
+
+    if strategy is Strategy.PREFIX_AWARE:
+        order = placement_order(digest, hosts)
+        for position, host in enumerate(order):
+            if _load(loads, host) < concurrency_threshold:
+                outcome = Outcome.PLACED if position == 0 else Outcome.OVERFLOW
+                return Decision(_with_failover(host, order, failover), outcome, strategy)
+        # All saturated: the least loaded, earliest in the key's order on ties.
+        least = min(order, key=lambda h: _load(loads, h))
+        return Decision(_with_failover(least, order, failover), Outcome.SATURATED, strategy)
+
+    count = len(hosts.hosts)
+    # Rotate by ``rand`` so ties (and RANDOM) do not always favour the same host.
+    start = min(int(rand * count), count - 1)
+    rotated = hosts.hosts[start:] + hosts.hosts[:start]
+    if strategy is Strategy.RANDOM:
+        return Decision(_with_failover(rotated[0], rotated, failover), Outcome.RANDOM, strategy)
+    by_load = tuple(sorted(rotated, key=lambda h: _load(loads, h)))  # stable: keeps rotation
+    return Decision(_with_failover(by_load[0], by_load, failover), Outcome.LEAST_LOADED, strategy)

@@ -1,0 +1,61 @@
+"""The host set the picker chooses from: an immutable, validated value."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+import xxhash
+
+
+def parse_host_address(text: str) -> str:
+    """Normalise an ``ip:port`` literal; raise ValueError naming the problem.
+
+    Hosts must be IP literals because Envoy's override_host policy and ORIGINAL_DST
+    cluster both match on ``ip:port`` exactly.
+    """
+    host, sep, port_text = text.strip().rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"host {text!r} is not ip:port")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"host {text!r} does not start with an IP address") from None
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"host {text!r} has a port outside 1-65535")
+    return f"[{ip}]:{int(port_text)}" if ip.version == 6 else f"{ip}:{int(port_text)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    """One upstream, as published: its address and its hash identity."""
+
+    address: str
+    # Precomputed so placement hashes an int per host instead of re-encoding strings.
+    identity: int
+
+    @classmethod
+    def of(cls, address: str) -> Host:
+        normalised = parse_host_address(address)
+        return cls(normalised, xxhash.xxh3_64_intdigest(normalised.encode()))
+
+
+@dataclass(frozen=True, slots=True)
+class HostSet:
+    """An ordered-by-address, duplicate-free set of hosts."""
+
+    hosts: tuple[Host, ...]
+
+    @classmethod
+    def of(cls, addresses: list[str] | tuple[str, ...]) -> HostSet:
+        unique = {h.address: h for h in (Host.of(a) for a in addresses)}
+        return cls(tuple(unique[a] for a in sorted(unique)))
+
+    @property
+    def addresses(self) -> frozenset[str]:
+        return frozenset(h.address for h in self.hosts)
+
+    def __len__(self) -> int:
+        return len(self.hosts)

@@ -1,0 +1,145 @@
+"""Routing-key extraction: turn the buffered body prefix into the bytes that get hashed.
+
+Pure: takes bytes and headers, returns a value. It never raises on bad input, because a
+request must be routed whatever its body looks like; it falls back to the raw bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import jiter
+
+SALT_HEADERS = ("x-prefix-aware-id", "x-amzn-sagemaker-prefix-aware-id")
+SALT_BODY_FIELD = "prompt_cache_key"
+MAX_SALT_LENGTH = 64
+
+
+class KeyMode(StrEnum):
+    NATIVE = "native"
+    OPENAI = "openai"
+
+
+class KeySource(StrEnum):
+    """Where a routing key came from; counted, so fallbacks are visible."""
+
+    NATIVE = "native"
+    OPENAI = "openai"
+    # openai mode, but the body was not parseable JSON of a known shape.
+    NATIVE_FALLBACK = "native_fallback"
+    # openai mode, but the body is compressed; we never inflate untrusted input.
+    ENCODED_FALLBACK = "encoded_fallback"
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingKey:
+    key: bytes
+    source: KeySource
+    salt: str | None = None
+    model: str | None = None
+    # Why a client-supplied salt was ignored (None when none was rejected).
+    salt_rejected: str | None = None
+
+
+def valid_salt(value: object) -> bool:
+    """At most 64 printable ASCII characters, and not empty."""
+    return (
+        isinstance(value, str)
+        and 0 < len(value) <= MAX_SALT_LENGTH
+        and all(" " <= ch <= "~" for ch in value)
+    )
+
+
+def _salt_from_headers(headers: Mapping[str, str]) -> tuple[str | None, str | None]:
+    for name in SALT_HEADERS:
+        if name in headers:
+            value = headers[name]
+            if valid_salt(value):
+                return value, None
+            return None, f"header {name}"
+    return None, None
+
+
+def _text_of_content(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text":
+                text = part.get("text")
+                if isinstance(text, str):
+                    parts.append(text)
+        return "".join(parts)
+    return ""
+
+
+def openai_prompt_text(body: Any) -> str | None:
+    """The message text a model sees, in order, or None if the body is no known shape.
+
+    Chat: each message as ``<role>\\n<text>\\n`` so a role change changes the key.
+    Completions: the ``prompt`` string (or list of strings, or token ids).
+    """
+    if not isinstance(body, dict):
+        return None
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        pieces = []
+        for message in messages:
+            if isinstance(message, dict):
+                role = message.get("role")
+                role_text = role if isinstance(role, str) else ""
+                pieces.append(f"{role_text}\n{_text_of_content(message.get('content'))}\n")
+        return "".join(pieces)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        return "\n".join(p if isinstance(p, str) else repr(p) for p in prompt)
+    return None
+
+
+def extract_key(
+    body: bytes,
+    headers: Mapping[str, str],
+    mode: KeyMode,
+    prefix_length: int,
+) -> RoutingKey:
+    """Build the routing key for one request.
+
+    ``headers`` has lower-case names. ``body`` may be a truncated prefix of the real body.
+    """
+    salt, salt_rejected = _salt_from_headers(headers)
+    native = body[:prefix_length]
+    if mode is KeyMode.NATIVE:
+        return RoutingKey(native, KeySource.NATIVE, salt, None, salt_rejected)
+
+    encoding = headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        return RoutingKey(native, KeySource.ENCODED_FALLBACK, salt, None, salt_rejected)
+
+    try:
+        # trailing-strings: the router sees only the first bytes, so the last string is
+        # usually cut; keep its visible part.
+        parsed = jiter.from_json(body, partial_mode="trailing-strings")
+    except ValueError:
+        parsed = None
+    text = openai_prompt_text(parsed)
+    if text is None:
+        return RoutingKey(native, KeySource.NATIVE_FALLBACK, salt, None, salt_rejected)
+
+    assert isinstance(parsed, dict)
+    model = parsed.get("model")
+    if salt is None and SALT_BODY_FIELD in parsed:
+        body_salt = parsed[SALT_BODY_FIELD]
+        if valid_salt(body_salt):
+            salt = body_salt
+        else:
+            salt_rejected = f"body {SALT_BODY_FIELD}"
+    key = text[:prefix_length].encode("utf-8", "surrogatepass")
+    return RoutingKey(
+        key, KeySource.OPENAI, salt, model if isinstance(model, str) else None, salt_rejected
+    )

@@ -1,0 +1,1 @@
+"""Simulated vLLM backend: prefix cache, OpenAI endpoints and vLLM metrics."""

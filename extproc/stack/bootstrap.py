@@ -1,0 +1,268 @@
+"""Envoy bootstraps for the two ways of handing Envoy the router's choice.
+
+- ``override-host`` (default): the backend cluster uses the override_host load-balancing
+  policy, fed by ``envoy.lb`` dynamic metadata. A target outside the cluster is never used,
+  and if the router is down, requests fail open to a least-request fallback.
+- ``original-dst``: the classic form. The router sets ``x-target-host`` and an ORIGINAL_DST
+  cluster connects to it. It fails closed, and a header_mutation filter placed before
+  ext_proc strips any client-supplied routing header, so a client can never choose the
+  upstream.
+
+The files in ``envoy/`` are these functions' output with the defaults below; a test keeps
+them in step, and another loads each one into the real Envoy binary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import yaml
+
+from extproc.adapter.messages import LB_METADATA_KEY, LB_METADATA_NAMESPACE, TARGET_HEADER
+
+Mode = Literal["override-host", "original-dst"]
+MODES: tuple[Mode, ...] = ("override-host", "original-dst")
+
+# Headers a client might use to pick an upstream; all are removed before ext_proc runs.
+CLIENT_ROUTING_HEADERS = (TARGET_HEADER, "x-envoy-original-dst-host", LB_METADATA_KEY)
+BACKEND_CLUSTER = "vllm"
+ROUTER_CLUSTER = "prefix_router"
+
+_TYPE = "type.googleapis.com/envoy."
+
+
+@dataclass(frozen=True)
+class BootstrapParams:
+    mode: Mode = "override-host"
+    listen: tuple[str, int] = ("127.0.0.1", 10000)
+    admin: tuple[str, int] = ("127.0.0.1", 9901)
+    # One entry per router process (Envoy keeps one HTTP/2 connection per endpoint).
+    routers: tuple[tuple[str, int], ...] = (("127.0.0.1", 50051),)
+    backends: tuple[tuple[str, int], ...] = (
+        ("127.0.0.11", 8000),
+        ("127.0.0.12", 8000),
+        ("127.0.0.13", 8000),
+    )
+    # BUFFERED_PARTIAL sends the body to the router once this many bytes have arrived.
+    buffer_limit_bytes: int = 1024 * 1024
+    message_timeout_ms: int = 500
+    upstream_host_header: bool = True
+    retries: int = 2
+
+
+def _address(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _endpoints(cluster: str, hosts: tuple[tuple[str, int], ...]) -> dict[str, Any]:
+    return {
+        "cluster_name": cluster,
+        "endpoints": [
+            {"lb_endpoints": [{"endpoint": {"address": _address(h, p)}} for h, p in hosts]}
+        ],
+    }
+
+
+def _http2_options() -> dict[str, Any]:
+    return {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": _TYPE + "extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {}},
+        }
+    }
+
+
+def _router_cluster(params: BootstrapParams) -> dict[str, Any]:
+    return {
+        "name": ROUTER_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": "0.25s",
+        "lb_policy": "LEAST_REQUEST",
+        "typed_extension_protocol_options": _http2_options(),
+        "load_assignment": _endpoints(ROUTER_CLUSTER, params.routers),
+        # gRPC health checks take a draining router out before its streams are cut.
+        "health_checks": [
+            {
+                "timeout": "0.5s",
+                "interval": "1s",
+                "unhealthy_threshold": 1,
+                "healthy_threshold": 1,
+                "grpc_health_check": {},
+            }
+        ],
+        "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
+    }
+
+
+def _override_host_cluster(params: BootstrapParams) -> dict[str, Any]:
+    return {
+        "name": BACKEND_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": _endpoints(BACKEND_CLUSTER, params.backends),
+        "load_balancing_policy": {
+            "policies": [
+                {
+                    "typed_extension_config": {
+                        "name": "envoy.load_balancing_policies.override_host",
+                        "typed_config": {
+                            "@type": _TYPE
+                            + "extensions.load_balancing_policies.override_host.v3.OverrideHost",
+                            "override_host_sources": [
+                                {
+                                    "metadata": {
+                                        "key": LB_METADATA_NAMESPACE,
+                                        "path": [{"key": LB_METADATA_KEY}],
+                                    }
+                                }
+                            ],
+                            "fallback_policy": {
+                                "policies": [
+                                    {
+                                        "typed_extension_config": {
+                                            "name": "envoy.load_balancing_policies.least_request",
+                                            "typed_config": {
+                                                "@type": _TYPE
+                                                + "extensions.load_balancing_policies."
+                                                "least_request.v3.LeastRequest"
+                                            },
+                                        }
+                                    }
+                                ]
+                            },
+                        },
+                    }
+                }
+            ]
+        },
+    }
+
+
+def _original_dst_cluster() -> dict[str, Any]:
+    return {
+        "name": BACKEND_CLUSTER,
+        "type": "ORIGINAL_DST",
+        "connect_timeout": "1s",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "original_dst_lb_config": {"use_http_header": True, "http_header_name": TARGET_HEADER},
+    }
+
+
+def _ext_proc_filter(params: BootstrapParams) -> dict[str, Any]:
+    fail_open = params.mode == "override-host"
+    config: dict[str, Any] = {
+        "@type": _TYPE + "extensions.filters.http.ext_proc.v3.ExternalProcessor",
+        "grpc_service": {"envoy_grpc": {"cluster_name": ROUTER_CLUSTER}, "timeout": "1s"},
+        # override-host falls back to least-request without the router; original-dst has
+        # no safe fallback, so it fails closed with a 503.
+        "failure_mode_allow": fail_open,
+        "message_timeout": f"{params.message_timeout_ms / 1000:g}s",
+        "processing_mode": {
+            "request_header_mode": "SEND",
+            "response_header_mode": "SKIP",
+            "request_body_mode": "BUFFERED_PARTIAL",
+            "response_body_mode": "NONE",
+            "request_trailer_mode": "SKIP",
+            "response_trailer_mode": "SKIP",
+        },
+        # Without this, Envoy silently drops the router's envoy.lb metadata.
+        "metadata_options": {"receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]}},
+    }
+    if not fail_open:
+        config["status_on_error"] = {"code": "ServiceUnavailable"}
+    return {"name": "envoy.filters.http.ext_proc", "typed_config": config}
+
+
+def _strip_client_routing_headers() -> dict[str, Any]:
+    # Must run before ext_proc: route-level header removal happens too late.
+    return {
+        "name": "envoy.filters.http.header_mutation",
+        "typed_config": {
+            "@type": _TYPE + "extensions.filters.http.header_mutation.v3.HeaderMutation",
+            "mutations": {"request_mutations": [{"remove": h} for h in CLIENT_ROUTING_HEADERS]},
+        },
+    }
+
+
+def _route_config(params: BootstrapParams) -> dict[str, Any]:
+    virtual_host: dict[str, Any] = {
+        "name": "llm",
+        "domains": ["*"],
+        "routes": [
+            {
+                "match": {"prefix": "/"},
+                "route": {
+                    "cluster": BACKEND_CLUSTER,
+                    # LLM responses stream for minutes; the client decides when to give up.
+                    "timeout": "0s",
+                    "retry_policy": {
+                        "retry_on": "connect-failure,reset,refused-stream",
+                        "num_retries": params.retries,
+                    },
+                },
+            }
+        ],
+    }
+    if params.upstream_host_header:
+        virtual_host["response_headers_to_add"] = [
+            {
+                "header": {"key": "x-upstream-host", "value": "%UPSTREAM_HOST%"},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+            }
+        ]
+    return {"name": "llm", "virtual_hosts": [virtual_host]}
+
+
+def build_bootstrap(params: BootstrapParams) -> dict[str, Any]:
+    if params.mode not in MODES:
+        raise ValueError(f"mode {params.mode!r} is not one of {', '.join(MODES)}")
+    backend = (
+        _override_host_cluster(params)
+        if params.mode == "override-host"
+        else _original_dst_cluster()
+    )
+    http_connection_manager = {
+        "@type": _TYPE
+        + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "ingress",
+        "route_config": _route_config(params),
+        "http_filters": [
+            _strip_client_routing_headers(),
+            _ext_proc_filter(params),
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {"@type": _TYPE + "extensions.filters.http.router.v3.Router"},
+            },
+        ],
+    }
+    return {
+        "admin": {"address": _address(*params.admin)},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "ingress",
+                    "address": _address(*params.listen),
+                    "per_connection_buffer_limit_bytes": params.buffer_limit_bytes,
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "name": "envoy.filters.network.http_connection_manager",
+                                    "typed_config": http_connection_manager,
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": [backend, _router_cluster(params)],
+        },
+    }
+
+
+def render(params: BootstrapParams) -> str:
+    header = (
+        f"# Generated by `prefix-router envoy-config --mode {params.mode}`; edit the generator.\n"
+    )
+    return header + yaml.safe_dump(build_bootstrap(params), sort_keys=False)

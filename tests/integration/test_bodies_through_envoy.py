@@ -1,0 +1,103 @@
+"""Every body shape is routed and reaches the upstream byte for byte."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import time
+
+import httpx
+import pytest
+
+from extproc.stack.local import LocalStack
+
+from .conftest import fleet
+
+BUFFER_LIMIT = 1024 * 1024
+
+
+def chat_of_size(size: int) -> bytes:
+    """A valid chat body of exactly ``size`` bytes."""
+    head = b'{"model":"sim-model","max_tokens":1,"messages":[{"role":"user","content":"'
+    tail = b'"}]}'
+    return head + b"a" * (size - len(head) - len(tail)) + tail
+
+
+def assert_delivered(stack: LocalStack, response: httpx.Response, body: bytes) -> None:
+    assert response.headers["x-served-by"] in fleet(stack)
+    assert response.headers["x-upstream-host"] == response.headers["x-served-by"]
+    assert int(response.headers["x-request-body-bytes"]) == len(body)
+    assert response.headers["x-request-body-sha256"] == hashlib.sha256(body).hexdigest()
+
+
+@pytest.mark.parametrize(
+    "size",
+    [1024, 64 * 1024, BUFFER_LIMIT - 4096, BUFFER_LIMIT, BUFFER_LIMIT + 4096, 2 * 1024 * 1024],
+    ids=["1KB", "64KB", "near-limit-below", "at-limit", "near-limit-above", "2MB"],
+)
+def test_sized_bodies_are_routed_and_delivered_whole(stack: LocalStack, client, size):
+    body = chat_of_size(size)
+    first = client.post(
+        "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
+    second = client.post(
+        "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert first.status_code == second.status_code == 200
+    assert_delivered(stack, first, body)
+    assert first.headers["x-served-by"] == second.headers["x-served-by"]
+
+
+def test_empty_body_is_routed(stack: LocalStack, client):
+    response = client.post("/v1/chat/completions", content=b"")
+    assert response.status_code == 400  # the upstream's verdict, not the router's
+    assert_delivered(stack, response, b"")
+
+
+def test_chunked_body_is_routed_and_delivered(stack: LocalStack, client):
+    body = chat_of_size(300_000)
+    chunks = [body[i : i + 8192] for i in range(0, len(body), 8192)]
+    response = client.post("/v1/chat/completions", content=iter(chunks))
+    assert response.status_code == 200
+    assert_delivered(stack, response, body)
+
+
+def test_slow_drip_body_is_routed_and_delivered(stack: LocalStack, client):
+    body = chat_of_size(20_000)
+
+    def drip():
+        for i in range(0, len(body), 2000):
+            time.sleep(0.05)
+            yield body[i : i + 2000]
+
+    response = client.post("/v1/chat/completions", content=drip())
+    assert response.status_code == 200
+    assert_delivered(stack, response, body)
+
+
+BAD_BODIES = {
+    "non-json": (b"this is not json at all " * 100, {}),
+    "truncated-json": (chat_of_size(5000)[:3000], {}),
+    "invalid-utf8": (b'{"messages":[{"role":"user","content":"\xff\xfe\xfd"}]}', {}),
+    "gzip": (gzip.compress(chat_of_size(5000)), {"content-encoding": "gzip"}),
+    "deeply-nested": (b'{"messages":' + b"[" * 50_000 + b"]" * 50_000 + b"}", {}),
+    "nul-bytes": (b"\x00" * 4096, {}),
+    "wrong-content-type": (chat_of_size(2000), {"content-type": "image/png"}),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_BODIES))
+def test_bad_input_is_routed_and_the_router_survives(stack: LocalStack, client, name):
+    body, headers = BAD_BODIES[name]
+    response = client.post("/v1/chat/completions", content=body, headers=headers)
+    assert response.status_code in (200, 400)  # whatever the upstream made of it
+    assert_delivered(stack, response, body)
+    # The same bad body is routed the same way.
+    again = client.post("/v1/chat/completions", content=body, headers=headers)
+    assert again.headers["x-served-by"] == response.headers["x-served-by"]
+    assert stack.router is not None and stack.router.running
+    metrics = httpx.get(stack.router_metrics_url).text
+    assert (
+        "prefix_router_protocol_errors_total" not in metrics
+        or 'kind="internal_error"' not in metrics
+    )

@@ -1,0 +1,120 @@
+"""Routing through the real Envoy binary, in both bootstrap modes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+
+from extproc.stack.local import LocalStack
+
+from .conftest import THRESHOLD, fleet
+
+
+def chat(text: str, max_tokens: int = 1, **extra) -> dict:
+    return {
+        "model": "sim-model",
+        "messages": [{"role": "system", "content": text}, {"role": "user", "content": "q"}],
+        "max_tokens": max_tokens,
+        **extra,
+    }
+
+
+def document(n: int) -> str:
+    return f"document {n}: " + "lorem ipsum dolor sit amet " * 200  # > prefix_length
+
+
+def post(client: httpx.Client, body: dict, headers: dict | None = None) -> httpx.Response:
+    return client.post("/v1/chat/completions", json=body, headers=headers or {})
+
+
+def served_by(response: httpx.Response) -> str:
+    # The simulator names itself; Envoy's x-upstream-host must agree.
+    assert response.headers["x-upstream-host"] == response.headers["x-served-by"]
+    return response.headers["x-served-by"]
+
+
+def test_same_prefix_reaches_the_same_upstream_every_time(stack: LocalStack, client):
+    placements: dict[int, set[str]] = {}
+    for question in range(8):
+        for doc in range(6):
+            body = chat(document(doc) + f" question {question}")
+            response = post(client, body)
+            assert response.status_code == 200
+            placements.setdefault(doc, set()).add(served_by(response))
+    assert all(len(hosts) == 1 for hosts in placements.values()), placements
+    used = set().union(*placements.values())
+    assert used <= fleet(stack)
+    assert len(used) >= 2  # six documents do not all land on one host
+
+
+def test_tenants_are_routed_independently(stack: LocalStack, client):
+    shared = document(99)
+    by_tenant: dict[str, set[str]] = {}
+    for repeat in range(2):
+        for tenant in range(12):
+            headers = {"x-prefix-aware-id": f"tenant-{tenant}"}
+            response = post(client, chat(shared + f" r{repeat}"), headers)
+            by_tenant.setdefault(f"tenant-{tenant}", set()).add(served_by(response))
+    assert all(len(hosts) == 1 for hosts in by_tenant.values())
+    assert len(set().union(*by_tenant.values())) >= 2
+    # The body field works as the salt too, and the header alias.
+    via_body = {
+        served_by(post(client, chat(shared, prompt_cache_key=f"tenant-{t}"))) for t in range(12)
+    }
+    assert len(via_body) >= 2
+    alias = {"x-amzn-sagemaker-prefix-aware-id": "tenant-3"}
+    assert by_tenant["tenant-3"] == {served_by(post(client, chat(shared + " r0"), alias))}
+
+
+async def test_overflow_happens_at_the_threshold(stack: LocalStack):
+    body = chat(document(7), max_tokens=40)  # held ~0.8 s each
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+        home = served_by(await http.post("/v1/chat/completions", json=chat(document(7))))
+
+        async def one(delay: float) -> str:
+            await asyncio.sleep(delay)
+            return served_by(await http.post("/v1/chat/completions", json=body))
+
+        # Staggered so arrival order is known: the first THRESHOLD fill the home host.
+        hosts = await asyncio.gather(*(one(i * 0.05) for i in range(THRESHOLD + 2)))
+    assert hosts[:THRESHOLD] == [home] * THRESHOLD
+    assert home not in hosts[THRESHOLD:]
+    assert len(set(hosts[THRESHOLD:])) == 1  # the key's consistent second host
+    metrics = httpx.get(stack.router_metrics_url).text
+    assert 'prefix_router_overflows_total{strategy="PREFIX_AWARE"}' in metrics
+
+
+def test_client_cannot_choose_the_upstream(stack: LocalStack, client):
+    sim_port = stack.spec.backends[0][1]
+    admin = f"{stack.spec.admin[0]}:{stack.spec.admin[1]}"
+    hostile_targets = [admin, f"127.0.0.99:{sim_port}", f"127.0.0.1:{stack.spec.router[1]}"]
+    normal = served_by(post(client, chat(document(3))))
+    for target in hostile_targets:
+        for header in [
+            "x-target-host",
+            "X-Target-Host",
+            "x-envoy-original-dst-host",
+            "x-gateway-destination-endpoint",
+        ]:
+            response = post(client, chat(document(3)), {header: target})
+            assert response.status_code == 200
+            assert served_by(response) == normal
+            assert "envoy" not in response.text.lower()[:200]
+
+
+def test_request_without_a_body_is_routed(stack: LocalStack, client):
+    response = client.get("/v1/models")
+    assert response.status_code == 200
+    assert served_by(response) in fleet(stack)
+    assert response.json()["data"][0]["id"] == "sim-model"
+
+
+def test_streaming_responses_pass_through(stack: LocalStack, client):
+    body = chat(document(1), max_tokens=5, stream=True)
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[0][6:])["object"] == "chat.completion.chunk"

@@ -1,0 +1,98 @@
+"""`prefix-router up` end to end: serves with affinity, and Ctrl-C leaves nothing behind."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from extproc.stack.processes import free_port
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                # Field 4 of /proc/PID/stat is the parent pid (after "pid (comm) state").
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_up_serves_with_affinity_and_stops_cleanly(tmp_path):
+    port = free_port()
+    work_dir = tmp_path / "stack"
+    argv = [
+        sys.executable,
+        "-m",
+        "extproc",
+        "up",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--admin",
+        f"127.0.0.1:{free_port()}",
+        "--router-listen",
+        f"127.0.0.1:{free_port()}",
+        "--router-metrics",
+        f"127.0.0.1:{free_port()}",
+        "--sim-port",
+        str(free_port("127.0.0.11")),
+        "--sim-ttft-ms",
+        "0",
+        "--sim-itl-ms",
+        "0",
+        "--work-dir",
+        str(work_dir),
+    ]
+    up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        banner = ""
+        while "is up" not in banner and time.monotonic() < deadline:
+            line = up.stdout.readline()
+            assert line, f"prefix-router up exited early: {banner}"
+            banner += line
+        assert f"http://127.0.0.1:{port}" in banner
+        children = children_of(up.pid)
+        assert len(children) == 5  # 3 simulators, the router and Envoy
+
+        hosts = set()
+        for question in range(5):
+            body = {
+                "model": "sim-model",
+                "messages": [{"role": "user", "content": "shared " * 2000 + str(question)}],
+            }
+            response = httpx.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=10
+            )
+            assert response.status_code == 200
+            hosts.add(response.headers["x-upstream-host"])
+        assert len(hosts) == 1
+
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=30) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        up.stdout.close()
+    assert [pid for pid in children if alive(pid)] == []
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/", timeout=2)

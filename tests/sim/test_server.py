@@ -1,0 +1,467 @@
+import asyncio
+import contextlib
+import hashlib
+import io
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.sim import server as sim_server
+from extproc.sim.server import SimOptions, serve
+
+HOST = "127.0.0.1"
+CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=30)
+# Prompts of whole 64-char blocks under the default 16 tokens x 4 chars.
+BLOCK_CHARS = 64
+
+
+def free_port(*hosts: str) -> int:
+    """A port number currently free on every one of `hosts`."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind((hosts[0], 0))
+            port = probe.getsockname()[1]
+        with contextlib.ExitStack() as stack:
+            try:
+                for host in hosts:
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no common free port on {hosts}")
+
+
+@contextlib.asynccontextmanager
+async def running(
+    addresses: list[tuple[str, int]], options: SimOptions | None = None
+) -> AsyncIterator[None]:
+    ready = asyncio.Event()
+    server = asyncio.create_task(serve(addresses, options or SimOptions(), ready))
+    bound = asyncio.create_task(ready.wait())
+    done, _ = await asyncio.wait({server, bound}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+    bound.cancel()
+    if server in done:
+        server.result()  # surfaces a bind error
+    assert done, "simulator did not bind within 10 s"
+    try:
+        yield
+    finally:
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server
+
+
+Start = Callable[..., contextlib.AbstractAsyncContextManager[str]]
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as client:
+        yield client
+
+
+@pytest.fixture
+def start() -> Start:
+    """Start one instance on a free loopback port; yields its base URL."""
+
+    @contextlib.asynccontextmanager
+    async def _start(**option_overrides: object) -> AsyncIterator[str]:
+        port = free_port(HOST)
+        async with running([(HOST, port)], SimOptions(**option_overrides)):  # type: ignore[arg-type]
+            yield f"http://{HOST}:{port}"
+
+    return _start
+
+
+async def metric(session: aiohttp.ClientSession, base: str, sample_name: str) -> float:
+    async with session.get(f"{base}/metrics") as response:
+        assert response.status == 200
+        text = await response.text()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == sample_name:
+                assert sample.labels["model_name"] == "sim-model"
+                return sample.value
+    raise AssertionError(f"{sample_name} not exported")
+
+
+async def wait_for_metric(
+    session: aiohttp.ClientSession, base: str, name: str, value: float, timeout_s: float = 5
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (current := await metric(session, base, name)) != value:
+        assert time.monotonic() < deadline, f"{name} stayed {current}, wanted {value}"
+        await asyncio.sleep(0.02)
+
+
+def sse_payloads(raw: str) -> list[str]:
+    assert raw.endswith("\n\n")
+    events = raw.split("\n\n")[:-1]
+    assert all(event.startswith("data: ") for event in events)
+    return [event.removeprefix("data: ") for event in events]
+
+
+def chat_body(content: str, **extra: object) -> dict:
+    return {"model": "sim-model", "messages": [{"role": "user", "content": content}], **extra}
+
+
+async def test_chat_completion_shape(start: Start, session: aiohttp.ClientSession) -> None:
+    async with (
+        start() as base,
+        session.post(f"{base}/v1/chat/completions", json=chat_body("Hi", max_tokens=5)) as resp,
+    ):
+        assert resp.status == 200
+        assert resp.content_type == "application/json"
+        body = await resp.json()
+
+    assert body["id"].startswith("chatcmpl-")
+    assert body["object"] == "chat.completion"
+    assert isinstance(body["created"], int)
+    assert body["model"] == "sim-model"
+    [choice] = body["choices"]
+    assert choice["index"] == 0
+    assert choice["message"]["role"] == "assistant"
+    assert len(choice["message"]["content"].split()) == 5
+    assert choice["finish_reason"] == "length"
+    prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert body["usage"] == {
+        "prompt_tokens": -(-len(prompt) // 4),
+        "completion_tokens": 5,
+        "total_tokens": -(-len(prompt) // 4) + 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+async def test_completion_shape_and_token_limits(
+    start: Start, session: aiohttp.ClientSession
+) -> None:
+    async with start(default_max_tokens=3, max_tokens_cap=7) as base:
+        url = f"{base}/v1/completions"
+        async with session.post(url, json={"prompt": "abcdefgh"}) as resp:
+            body = await resp.json()
+        assert body["id"].startswith("cmpl-")
+        assert body["object"] == "text_completion"
+        assert len(body["choices"][0]["text"].split()) == 3
+        assert body["usage"]["prompt_tokens"] == 2
+        assert body["usage"]["completion_tokens"] == 3
+
+        async with session.post(url, json={"prompt": "x", "max_tokens": 1000}) as resp:
+            assert (await resp.json())["usage"]["completion_tokens"] == 7
+        async with session.post(url, json={"prompt": "x", "max_completion_tokens": 2}) as resp:
+            assert (await resp.json())["usage"]["completion_tokens"] == 2
+
+
+async def test_chat_stream_shape(start: Start, session: aiohttp.ClientSession) -> None:
+    body = chat_body("Hi", max_tokens=4, stream=True)
+    async with start() as base:
+        async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            assert resp.content_type == "text/event-stream"
+            payloads = sse_payloads(await resp.text())
+        body["stream"] = False
+        async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
+            whole = (await resp.json())["choices"][0]["message"]["content"]
+
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(payload) for payload in payloads[:-1]]
+    assert len(chunks) == 4
+    assert len({chunk["id"] for chunk in chunks}) == 1
+    assert all(chunk["object"] == "chat.completion.chunk" for chunk in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(chunk["choices"][0]["delta"]["content"] for chunk in chunks) == whole
+    reasons = [chunk["choices"][0]["finish_reason"] for chunk in chunks]
+    assert reasons == [None, None, None, "length"]
+
+
+async def test_completion_stream_shape_with_usage(
+    start: Start, session: aiohttp.ClientSession
+) -> None:
+    body = {"prompt": "x" * 130, "max_tokens": 3, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    async with start() as base, session.post(f"{base}/v1/completions", json=body) as resp:
+        payloads = sse_payloads(await resp.text())
+
+    assert payloads[-1] == "[DONE]"
+    *token_chunks, usage_chunk = (json.loads(payload) for payload in payloads[:-1])
+    assert len(token_chunks) == 3
+    assert all(chunk["object"] == "text_completion" for chunk in token_chunks)
+    assert all(chunk["choices"][0]["text"] for chunk in token_chunks)
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["prompt_tokens"] == 33
+    assert usage_chunk["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_identical_requests_raise_prefix_cache_hits(
+    start: Start, session: aiohttp.ClientSession, stream: bool
+) -> None:
+    prompt = "p" * (5 * BLOCK_CHARS + 10)  # five full blocks and a tail
+    body = {"prompt": prompt, "max_tokens": 2, "stream": stream}
+    async with start() as base:
+        before = await metric(session, base, "vllm:prefix_cache_hits_total")
+        for _ in range(2):
+            async with session.post(f"{base}/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                await resp.read()
+
+        assert before == 0
+        assert await metric(session, base, "vllm:prefix_cache_hits_total") == 5 * 16
+        queries = await metric(session, base, "vllm:prefix_cache_queries_total")
+        assert queries == 2 * -(-len(prompt) // 4)
+        assert await metric(session, base, "vllm:prompt_tokens_total") == queries
+        assert await metric(session, base, "vllm:generation_tokens_total") == 4
+        assert await metric(session, base, "vllm:request_success_total") == 2
+        assert await metric(session, base, "vllm:kv_cache_usage_perc") == 5 / 4096
+        assert await metric(session, base, "vllm:num_requests_waiting") == 0
+
+
+async def test_cached_tokens_reported_in_usage(
+    start: Start, session: aiohttp.ClientSession
+) -> None:
+    shared = "s" * (3 * BLOCK_CHARS)
+    async with start() as base:
+        for suffix, cached in (("first question", 0), ("another question", 48)):
+            body = chat_body(shared + suffix)
+            async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
+                usage = (await resp.json())["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] == cached
+
+
+BAD_BODIES = [
+    pytest.param("/v1/completions", b"", id="empty"),
+    pytest.param("/v1/completions", b"{not json", id="not-json"),
+    pytest.param("/v1/completions", b'{"prompt": "\xff\xfe"}', id="bad-utf8"),
+    pytest.param("/v1/completions", b'["prompt"]', id="not-object"),
+    pytest.param("/v1/completions", b'{"prompt": 12}', id="prompt-type"),
+    pytest.param("/v1/completions", b'{"prompt": "x", "max_tokens": "9"}', id="max-tokens-type"),
+    pytest.param("/v1/completions", b'{"prompt": "x", "stream": 1}', id="stream-type"),
+    pytest.param("/v1/completions", b"[" * 50_000 + b"]" * 50_000, id="deep-nesting"),
+    pytest.param("/v1/chat/completions", b"{}", id="no-messages"),
+    pytest.param("/v1/chat/completions", b'{"messages": [{"role": 1}]}', id="role-type"),
+]
+
+
+@pytest.mark.parametrize(("path", "raw"), BAD_BODIES)
+async def test_bad_bodies_get_400_with_identity_and_digest_headers(
+    start: Start, session: aiohttp.ClientSession, path: str, raw: bytes
+) -> None:
+    headers = {"Content-Type": "application/json"}
+    async with start() as base:
+        async with session.post(f"{base}{path}", data=raw, headers=headers) as resp:
+            assert resp.status == 400
+            error = (await resp.json())["error"]
+            assert resp.headers["x-served-by"] == base.removeprefix("http://")
+            assert resp.headers["x-request-body-bytes"] == str(len(raw))
+            assert resp.headers["x-request-body-sha256"] == hashlib.sha256(raw).hexdigest()
+        assert await metric(session, base, "vllm:num_requests_running") == 0
+        assert await metric(session, base, "vllm:prefix_cache_queries_total") == 0
+
+    assert error["type"] == "invalid_request_error"
+    assert error["message"]
+
+
+async def test_every_response_names_the_instance(
+    start: Start, session: aiohttp.ClientSession
+) -> None:
+    async with start() as base:
+        name = base.removeprefix("http://")
+        async with session.get(f"{base}/health") as resp:
+            assert resp.status == 200
+            assert await resp.read() == b""
+            assert resp.headers["x-served-by"] == name
+        async with session.get(f"{base}/v1/models") as resp:
+            assert resp.headers["x-served-by"] == name
+            models = await resp.json()
+            assert models["object"] == "list"
+            assert [model["id"] for model in models["data"]] == ["sim-model"]
+        async with session.get(f"{base}/metrics") as resp:
+            assert resp.headers["x-served-by"] == name
+        async with session.get(f"{base}/no/such/path") as resp:
+            assert resp.status == 404
+            assert resp.headers["x-served-by"] == name
+        async with session.post(f"{base}/health", data=b"abc") as resp:
+            assert resp.status == 405
+            assert resp.headers["x-served-by"] == name
+            assert resp.headers["x-request-body-sha256"] == hashlib.sha256(b"abc").hexdigest()
+
+
+def big_body(size: int) -> bytes:
+    head = b'{"max_tokens": 1, "prompt": "'
+    tail = b'"}'
+    return head + b"q" * (size - len(head) - len(tail)) + tail
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_body_digest_of_a_3mb_body(
+    start: Start, session: aiohttp.ClientSession, chunked: bool
+) -> None:
+    raw = big_body(3 * 1024 * 1024)
+
+    async def pieces() -> AsyncIterator[bytes]:
+        for offset in range(0, len(raw), 256 * 1024):
+            yield raw[offset : offset + 256 * 1024]
+
+    # BytesIO: aiohttp warns about sending multi-MB raw bytes in one go.
+    data = pieces() if chunked else io.BytesIO(raw)
+    async with (
+        start() as base,
+        session.post(f"{base}/v1/completions", data=data) as resp,
+    ):
+        assert resp.status == 200
+        assert (resp.request_info.headers.get("Transfer-Encoding") == "chunked") is chunked
+        assert resp.headers["x-request-body-bytes"] == str(len(raw))
+        assert resp.headers["x-request-body-sha256"] == hashlib.sha256(raw).hexdigest()
+        assert (await resp.json())["usage"]["prompt_tokens"] == -(-(len(raw) - 31) // 4)
+
+
+async def test_oversized_body_gets_413_not_500(
+    start: Start, session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sim_server, "MAX_BODY_BYTES", 1000)
+    async with (
+        start() as base,
+        session.post(f"{base}/v1/completions", data=big_body(5000)) as resp,
+    ):
+        assert resp.status == 413
+        assert resp.headers["x-served-by"] == base.removeprefix("http://")
+        assert "x-request-body-sha256" not in resp.headers
+        assert (await resp.json())["error"]["message"]
+
+
+async def test_delays_follow_ttft_and_itl(start: Start, session: aiohttp.ClientSession) -> None:
+    async with start(ttft_ms=150, itl_ms=50) as base:
+        began = time.monotonic()
+        async with session.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 3}):
+            pass
+        assert time.monotonic() - began >= 0.25 - 0.01
+
+        body = {"prompt": "x", "max_tokens": 3, "stream": True}
+        began = time.monotonic()
+        async with session.post(f"{base}/v1/completions", json=body) as resp:
+            await resp.content.readuntil(b"\n\n")
+            first_token_s = time.monotonic() - began
+            await resp.read()
+        total_s = time.monotonic() - began
+    assert first_token_s >= 0.15 - 0.01
+    assert total_s >= 0.25 - 0.01
+
+
+async def test_running_gauge_covers_a_slow_request(
+    start: Start, session: aiohttp.ClientSession
+) -> None:
+    async with start(ttft_ms=400) as base:
+
+        async def slow_request() -> int:
+            async with session.post(f"{base}/v1/completions", json={"prompt": "x"}) as resp:
+                await resp.read()
+                return resp.status
+
+        request = asyncio.create_task(slow_request())
+        await wait_for_metric(session, base, "vllm:num_requests_running", 1)
+        assert await asyncio.wait_for(request, timeout=10) == 200
+        assert await metric(session, base, "vllm:num_requests_running") == 0
+        assert await metric(session, base, "vllm:request_success_total") == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_client_abort_releases_the_running_gauge(
+    start: Start, session: aiohttp.ClientSession, stream: bool
+) -> None:
+    # ttft for the whole response, itl so a stream stalls after its first token.
+    async with start(ttft_ms=30_000 if not stream else 0, itl_ms=30_000) as base:
+
+        async def abandoned_request() -> None:
+            body = {"prompt": "x", "max_tokens": 3, "stream": stream}
+            async with session.post(f"{base}/v1/completions", json=body) as resp:
+                await resp.read()
+
+        request = asyncio.create_task(abandoned_request())
+        await wait_for_metric(session, base, "vllm:num_requests_running", 1)
+        request.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await request
+
+        await wait_for_metric(session, base, "vllm:num_requests_running", 0)
+        assert await metric(session, base, "vllm:request_success_total") == 0
+
+
+async def test_instances_sharing_a_port_keep_independent_caches(
+    session: aiohttp.ClientSession,
+) -> None:
+    hosts = ("127.0.0.2", "127.0.0.3")
+    port = free_port(*hosts)
+    first, second = (f"http://{host}:{port}" for host in hosts)
+    body = {"prompt": "z" * (4 * BLOCK_CHARS)}
+
+    async def cached_tokens(base: str) -> int:
+        async with session.post(f"{base}/v1/completions", json=body) as resp:
+            assert resp.headers["x-served-by"] == f"{base.removeprefix('http://')}"
+            return (await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    async with running([(host, port) for host in hosts]):
+        assert await cached_tokens(first) == 0
+        assert await cached_tokens(first) == 64
+        assert await cached_tokens(second) == 0  # its cache never saw the prompt
+        assert await metric(session, first, "vllm:prefix_cache_hits_total") == 64
+        assert await metric(session, second, "vllm:prefix_cache_hits_total") == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("model", ""),
+        ("capacity_blocks", 0),
+        ("block_size_tokens", -1),
+        ("chars_per_token", 2.5),
+        ("ttft_ms", -1.0),
+        ("itl_ms", float("nan")),
+        ("default_max_tokens", 0),
+        ("max_tokens_cap", True),
+    ],
+)
+def test_options_reject_bad_values_by_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        SimOptions(**{field: value})  # type: ignore[arg-type]
+
+
+async def test_serve_needs_an_address() -> None:
+    with pytest.raises(ValueError, match="addresses"):
+        await serve([], SimOptions())
+
+
+def test_run_stops_cleanly_on_sigterm() -> None:
+    port = free_port(HOST)
+    code = (
+        f"from extproc.sim.server import SimOptions, run\nrun([({HOST!r}, {port})], SimOptions())\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "simulator never accepted a connection"
+            try:
+                socket.create_connection((HOST, port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, output
+    assert f"{HOST}:{port}".encode() in output
+    assert b"sim.listening" in output

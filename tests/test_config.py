@@ -1,0 +1,77 @@
+import pytest
+
+from extproc.config import RouterConfig, load_config
+from extproc.errors import ConfigError
+from extproc.picker.decide import Strategy
+from extproc.picker.keys import KeyMode
+
+
+def test_defaults_are_valid_and_frozen():
+    config = RouterConfig()
+    assert config.routing_strategy is Strategy.PREFIX_AWARE
+    assert config.key_mode is KeyMode.OPENAI
+    with pytest.raises(AttributeError):
+        config.prefix_length = 2048  # type: ignore[misc]
+
+
+def test_file_then_env_then_overrides(tmp_path):
+    path = tmp_path / "router.yaml"
+    path.write_text(
+        "routing_strategy: RANDOM\nprefix_length: 2048\nconcurrency_threshold: 4\n"
+        "hosts: ['127.0.0.11:8000', '127.0.0.12:8000']\n"
+    )
+    env = {"PREFIX_ROUTER_PREFIX_LENGTH": "4096", "PREFIX_ROUTER_KEY_MODE": "native"}
+    config = load_config(path, env=env, overrides={"concurrency_threshold": 9, "listen": None})
+    assert config.routing_strategy is Strategy.RANDOM
+    assert config.prefix_length == 4096
+    assert config.key_mode is KeyMode.NATIVE
+    assert config.concurrency_threshold == 9
+    assert config.hosts == ("127.0.0.11:8000", "127.0.0.12:8000")
+
+
+def test_env_hosts_are_comma_separated():
+    config = load_config(env={"PREFIX_ROUTER_HOSTS": "127.0.0.2:1, 127.0.0.3:1"})
+    assert config.hosts == ("127.0.0.2:1", "127.0.0.3:1")
+
+
+@pytest.mark.parametrize(
+    ("settings", "field", "allowed"),
+    [
+        ({"prefix_length": 1023}, "prefix_length", "1024 to 65536"),
+        ({"prefix_length": 65537}, "prefix_length", "1024 to 65536"),
+        ({"prefix_length": "big"}, "prefix_length", "1024 to 65536"),
+        ({"concurrency_threshold": 0}, "concurrency_threshold", "1 to 1024"),
+        ({"concurrency_threshold": 1025}, "concurrency_threshold", "1 to 1024"),
+        ({"routing_strategy": "ROUND_ROBIN"}, "routing_strategy", "PREFIX_AWARE"),
+        ({"key_mode": "xml"}, "key_mode", "openai"),
+        ({"hosts": ["example.com:80"]}, "hosts[0]", "ip:port"),
+        ({"listen": "nowhere"}, "listen", "ip:port"),
+        ({"colour": "red"}, "colour", "a known field"),
+    ],
+)
+def test_errors_name_field_value_and_range(settings, field, allowed):
+    with pytest.raises(ConfigError) as caught:
+        load_config(env={}, overrides=settings)
+    assert caught.value.field == field
+    message = str(caught.value)
+    assert field in message and allowed in message
+    value = next(iter(settings.values()))
+    assert repr(value[0] if isinstance(value, list) else value) in message
+
+
+def test_bad_env_value_names_the_field():
+    with pytest.raises(ConfigError, match="concurrency_threshold"):
+        load_config(env={"PREFIX_ROUTER_CONCURRENCY_THRESHOLD": "lots"})
+
+
+def test_malformed_files_are_config_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("routing_strategy: [unclosed")
+    with pytest.raises(ConfigError, match="valid YAML"):
+        load_config(bad, env={})
+    with pytest.raises(ConfigError, match="readable file"):
+        load_config(tmp_path / "missing.yaml", env={})
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(listy, env={})
