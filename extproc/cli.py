@@ -168,6 +168,20 @@ def _cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from extproc import logs
+    from extproc.bench.overhead import OverheadOptions, run
+
+    logs.configure("info")
+    options = OverheadOptions(
+        duration_s=2.0 if args.quick else args.duration,
+        rounds=1 if args.quick else args.rounds,
+        out_dir=args.out,
+    )
+    run(options)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="prefix-router",
@@ -285,6 +299,24 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--itl-ms", type=float, default=0.0, help="time per further token, ms")
     sim.add_argument("--model", default="sim-model", help="model name served")
     sim.set_defaults(handler=_cmd_sim)
+
+    bench = commands.add_parser(
+        "bench",
+        help="run a benchmark and write its report to docs/benchmarks/",
+        description="Benchmarks run the alternatives side by side in one run. "
+        "overhead: direct vs Envoy vs Envoy+router, at concurrency 1 and 16 (needs wrk).",
+    )
+    bench.add_argument("--workload", choices=["overhead"], required=True)
+    bench.add_argument("--duration", type=float, default=10.0, help="seconds per sample")
+    bench.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians quoted")
+    bench.add_argument("--quick", action="store_true", help="a short smoke run")
+    bench.add_argument(
+        "--out",
+        type=Path,
+        default=Path("docs/benchmarks"),
+        help="report directory (default docs/benchmarks)",
+    )
+    bench.set_defaults(handler=_cmd_bench)
 
     envoy = commands.add_parser("envoy-config", help="print an Envoy bootstrap")
     envoy.add_argument("--mode", choices=["override-host", "original-dst"], default="override-host")

@@ -49,6 +49,8 @@ class BootstrapParams:
     message_timeout_ms: int = 500
     upstream_host_header: bool = True
     retries: int = 2
+    # False gives plain Envoy (least-request over the cluster): the no-router baseline.
+    ext_proc: bool = True
 
 
 def _address(host: str, port: int) -> dict[str, Any]:
@@ -229,7 +231,7 @@ def build_bootstrap(params: BootstrapParams) -> dict[str, Any]:
         "route_config": _route_config(params),
         "http_filters": [
             _strip_client_routing_headers(),
-            _ext_proc_filter(params),
+            *([_ext_proc_filter(params)] if params.ext_proc else []),
             {
                 "name": "envoy.filters.http.router",
                 "typed_config": {"@type": _TYPE + "extensions.filters.http.router.v3.Router"},

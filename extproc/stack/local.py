@@ -49,6 +49,31 @@ def simulated_backends(count: int, port: int | None = None) -> tuple[tuple[str, 
     return tuple((h, port or free_port(h)) for h in hosts)
 
 
+def start_envoy(name: str, params: BootstrapParams, work_dir: Path) -> ManagedProcess:
+    """Run the real Envoy binary on a rendered bootstrap; return once it serves."""
+    path = work_dir / f"{name}.yaml"
+    path.write_text(render(params))
+    argv = [
+        envoy_binary(),
+        "-c",
+        str(path),
+        "--log-level",
+        "warning",
+        # Several Envoys may run at once (tests, benchmarks): no shared-memory region.
+        "--disable-hot-restart",
+    ]
+    envoy = ManagedProcess(name, argv, work_dir / f"{name}.log").start()
+    admin_host, admin_port = params.admin
+    host, port = params.listen
+    wait_until(
+        lambda: http_ok(f"http://{admin_host}:{admin_port}/ready") and tcp_open(host, port),
+        READY_TIMEOUT_S,
+        name,
+        envoy,
+    )
+    return envoy
+
+
 @dataclass
 class StackSpec:
     mode: Mode = "override-host"
@@ -163,11 +188,8 @@ class LocalStack:
         if self.router is not None:
             self.router.stop()
 
-    def envoy_config_path(self) -> Path:
-        return self.work_dir / f"envoy-{self.spec.mode}.yaml"
-
-    def start_envoy(self) -> None:
-        params = BootstrapParams(
+    def bootstrap_params(self) -> BootstrapParams:
+        return BootstrapParams(
             mode=self.spec.mode,
             listen=self.spec.listen,
             admin=self.spec.admin,
@@ -176,25 +198,9 @@ class LocalStack:
             upstream_host_header=self.spec.upstream_host_header,
             buffer_limit_bytes=self.spec.buffer_limit_bytes,
         )
-        path = self.envoy_config_path()
-        path.write_text(render(params))
-        argv = [
-            envoy_binary(),
-            "-c",
-            str(path),
-            "--log-level",
-            "warning",
-            # Several Envoys may run at once (tests, benchmarks): no shared-memory region.
-            "--disable-hot-restart",
-        ]
-        self.envoy = ManagedProcess("envoy", argv, self.work_dir / "envoy.log").start()
-        host, port = self.spec.listen
-        wait_until(
-            lambda: http_ok(f"{self.admin_url}/ready") and tcp_open(host, port),
-            READY_TIMEOUT_S,
-            "envoy",
-            self.envoy,
-        )
+
+    def start_envoy(self) -> None:
+        self.envoy = start_envoy("envoy", self.bootstrap_params(), self.work_dir)
 
     def start(self) -> LocalStack:
         try:
