@@ -118,3 +118,27 @@ def test_streaming_responses_pass_through(stack: LocalStack, client):
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[0][6:])["object"] == "chat.completion.chunk"
+
+
+def in_flight(stack: LocalStack) -> dict[str, float]:
+    values = {}
+    for line in httpx.get(stack.router_metrics_url).text.splitlines():
+        if line.startswith("prefix_router_in_flight_requests{"):
+            host = line.split('host="', 1)[1].split('"', 1)[0]
+            values[host] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
+async def test_client_abort_releases_the_in_flight_slot(stack: LocalStack):
+    body = chat(document(11), max_tokens=250, stream=True)  # ~5 s if left to finish
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            home = response.headers["x-served-by"]
+            await asyncio.sleep(0.3)
+            assert in_flight(stack)[home] == 1
+        # Leaving the block closes the connection mid-stream: the client gave up.
+    for _ in range(20):  # 1 s: well before the response would have finished
+        if in_flight(stack).get(home) == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert in_flight(stack)[home] == 0
