@@ -131,12 +131,14 @@ def in_flight(stack: LocalStack) -> dict[str, float]:
 
 async def test_client_abort_releases_the_in_flight_slot(stack: LocalStack):
     body = chat(document(11), max_tokens=250, stream=True)  # ~5 s if left to finish
-    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
-        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-            home = response.headers["x-served-by"]
-            await asyncio.sleep(0.3)
-            assert in_flight(stack)[home] == 1
-        # Leaving the block closes the connection mid-stream: the client gave up.
+    async with (
+        httpx.AsyncClient(base_url=stack.url, timeout=30) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        home = response.headers["x-served-by"]
+        await asyncio.sleep(0.3)
+        assert in_flight(stack)[home] == 1
+    # Leaving the block closed the connection mid-stream: the client gave up.
     for _ in range(20):  # 1 s: well before the response would have finished
         if in_flight(stack).get(home) == 0:
             break
