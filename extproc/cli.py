@@ -85,11 +85,12 @@ def _cmd_router(args: argparse.Namespace) -> int:
     overrides = _routing_overrides(args)
     overrides["listen"] = args.listen
     overrides["metrics_listen"] = args.metrics_listen
+    overrides["control_plane"] = args.control_plane
     if args.host:
         overrides["hosts"] = tuple(args.host)
     config = load_config(args.config, overrides=overrides)
     logs.configure(config.log_level)
-    asyncio.run(serve(config))
+    asyncio.run(serve(config, config_path=args.config, overrides=overrides))
     return 0
 
 
@@ -108,6 +109,20 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_control_plane(args: argparse.Namespace) -> int:
+    from extproc import logs
+    from extproc.control.config import load_control_plane_config
+    from extproc.control.service import serve
+
+    overrides = {"listen": args.listen, "metrics_listen": args.metrics_listen}
+    if args.host:
+        overrides["hosts"] = tuple(args.host)
+    config = load_control_plane_config(args.config, overrides)
+    logs.configure(config.log_level)
+    asyncio.run(serve(config, args.config))
+    return 0
+
+
 def _cmd_envoy_config(args: argparse.Namespace) -> int:
     from extproc.stack.bootstrap import BootstrapParams, render
 
@@ -117,6 +132,7 @@ def _cmd_envoy_config(args: argparse.Namespace) -> int:
         admin=args.admin,
         routers=tuple(args.router) or BootstrapParams.routers,
         backends=tuple(args.backend) or BootstrapParams.backends,
+        control_plane=None if args.static else args.control_plane,
         upstream_host_header=not args.no_upstream_host_header,
     )
     sys.stdout.write(render(params))
@@ -136,6 +152,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         admin=args.admin,
         router=args.router_listen,
         router_metrics=args.router_metrics,
+        control_plane=args.control_plane,
+        control_plane_metrics=args.control_plane_metrics,
         external_backends=tuple(args.backend),
         sim_backends=() if args.backend else simulated_backends(args.backends, args.sim_port),
         router_settings=overrides,
@@ -152,6 +170,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         backends = ", ".join(f"{h}:{p}" for h, p in spec.backends)
         print(f"prefix-router is up: {stack.url}  (backends: {backends})", flush=True)
         print(f"  envoy admin {stack.admin_url}   router metrics {stack.router_metrics_url}")
+        print(f"  control plane config {stack.control_plane_config_path()} (edit to change hosts)")
         print(f"  logs in {stack.work_dir}")
         print(
             f"  try: curl -si {stack.url}/v1/chat/completions -H 'content-type: application/json'"
@@ -160,7 +179,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         )
         print("Ctrl-C stops everything.", flush=True)
         while not stop.wait(0.5):
-            for process in [stack.envoy, stack.router, *stack.sims]:
+            for process in [stack.envoy, stack.router, stack.control_plane, *stack.sims]:
                 if process is not None and not process.running:
                     print(f"{process.name} exited unexpectedly:\n{process.log_tail()}", flush=True)
                     return 1
@@ -220,6 +239,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="the router's Prometheus endpoint, ip:port (default 127.0.0.1:9102)",
     )
     up.add_argument(
+        "--control-plane",
+        type=_ip_port,
+        default=("127.0.0.1", 18000),
+        help="the control plane's xDS address, ip:port (default 127.0.0.1:18000)",
+    )
+    up.add_argument(
+        "--control-plane-metrics",
+        type=_ip_port,
+        default=("127.0.0.1", 9103),
+        help="the control plane's Prometheus endpoint, ip:port (default 127.0.0.1:9103)",
+    )
+    up.add_argument(
         "--mode",
         choices=["override-host", "original-dst"],
         default="override-host",
@@ -272,6 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--listen", help="gRPC listen address, ip:port (default 127.0.0.1:50051)")
     router.add_argument("--metrics-listen", help="Prometheus address (default 127.0.0.1:9102)")
     router.add_argument(
+        "--control-plane",
+        metavar="IP:PORT",
+        help="the control plane's xDS address; it supplies the hosts and the load feed",
+    )
+    router.add_argument(
         "--host",
         action="append",
         default=[],
@@ -318,6 +354,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.set_defaults(handler=_cmd_bench)
 
+    control = commands.add_parser(
+        "control-plane",
+        help="run the xDS control plane (EDS of the healthy vLLM hosts, and the load feed)",
+    )
+    control.add_argument("--config", type=Path, help="YAML config file; re-read when it changes")
+    control.add_argument("--listen", help="xDS gRPC address, ip:port (default 127.0.0.1:18000)")
+    control.add_argument(
+        "--metrics-listen", help="Prometheus address, ip:port (default 127.0.0.1:9103)"
+    )
+    control.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        metavar="IP:PORT",
+        help="a vLLM host; repeatable (replaces the config's hosts)",
+    )
+    control.set_defaults(handler=_cmd_control_plane)
+
     envoy = commands.add_parser("envoy-config", help="print an Envoy bootstrap")
     envoy.add_argument("--mode", choices=["override-host", "original-dst"], default="override-host")
     envoy.add_argument("--listen", type=_ip_port, default=("127.0.0.1", 10000))
@@ -335,6 +389,17 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="a backend, ip:port; repeatable",
+    )
+    envoy.add_argument(
+        "--control-plane",
+        type=_ip_port,
+        default=("127.0.0.1", 18000),
+        help="xDS address the backend cluster comes from (default 127.0.0.1:18000)",
+    )
+    envoy.add_argument(
+        "--static",
+        action="store_true",
+        help="a STATIC backend cluster of --backend hosts instead of EDS",
     )
     envoy.add_argument("--no-upstream-host-header", action="store_true")
     envoy.set_defaults(handler=_cmd_envoy_config)

@@ -62,8 +62,14 @@ class RouterConfig:
     # Requests in flight on a host at which new requests overflow to the next host.
     concurrency_threshold: int = 32
     key_mode: KeyMode = KeyMode.OPENAI
-    # The static host set (ip:port). The control plane replaces this later.
+    # The static host set (ip:port), for running without a control plane.
     hosts: tuple[str, ...] = ()
+    # The control plane's xDS address (ip:port); the host set and load feed come from it.
+    control_plane: str | None = None
+    # The cluster (EDS resource) the control plane publishes the fleet as.
+    cluster: str = "vllm"
+    # A load feed older than this is ignored: overflow uses local in-flight counts only.
+    load_feed_max_age_s: float = 2.0
     # Extra hosts in the target list for Envoy's retries (override-host mode).
     failover_hosts: int = 2
     listen: str = "127.0.0.1:50051"
@@ -94,6 +100,21 @@ class RouterConfig:
             except ValueError as error:
                 raise ConfigError(f"hosts[{index}]", host, f"ip:port ({error})") from None
         set_(self, "hosts", tuple(normalised))
+        if self.control_plane is not None:
+            set_(self, "control_plane", _check_listen("control_plane", self.control_plane))
+            if self.hosts:
+                raise ConfigError(
+                    "hosts", self.hosts, "empty when control_plane is set (it supplies the hosts)"
+                )
+        if not isinstance(self.cluster, str) or not self.cluster:
+            raise ConfigError("cluster", self.cluster, "a non-empty cluster name")
+        feed_age = self.load_feed_max_age_s
+        if (
+            isinstance(feed_age, bool)
+            or not isinstance(feed_age, (int, float))
+            or not (0.1 <= feed_age <= 600)
+        ):
+            raise ConfigError("load_feed_max_age_s", feed_age, "a number from 0.1 to 600")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError("log_level", self.log_level, "one of debug, info, warning, error")
 
@@ -113,6 +134,11 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
                 values[name] = int(raw)
             except ValueError:
                 raise ConfigError(name, raw, "an integer") from None
+        elif name == "load_feed_max_age_s":
+            try:
+                values[name] = float(raw)
+            except ValueError:
+                raise ConfigError(name, raw, "a number") from None
         elif name == "hosts":
             values[name] = [h for h in (p.strip() for p in raw.split(",")) if h]
         else:

@@ -49,3 +49,37 @@ PROTOCOL_ERRORS = Counter(
 )
 STREAMS = Gauge("prefix_router_open_streams", "ext_proc streams open now")
 HOSTS = Gauge("prefix_router_hosts", "Hosts in the set the router places over")
+
+# --- load feed and fleet, as the router sees them
+FEED_AGE = Gauge(
+    "prefix_router_load_feed_age_seconds",
+    "Seconds since the last load-feed update arrived from the control plane",
+)
+FEED_STALE = Counter(
+    "prefix_router_load_feed_stale",
+    "Decisions made on local in-flight counts only, because the load feed was stale",
+)
+FLEET_UPDATES = Counter(
+    "prefix_router_fleet_updates", "Host-set and load updates received", ["kind"]
+)
+CONFIG_RELOADS = Counter(
+    "prefix_router_config_reloads", "Config file reloads, by result", ["result"]
+)
+
+# --- control plane
+XDS_STREAMS = Gauge("prefix_router_cp_xds_streams", "Open xDS streams")
+XDS_REQUESTS = Counter(
+    "prefix_router_cp_xds_requests",
+    "xDS requests by kind (initial, ack, stale_nonce, ...)",
+    ["kind"],
+)
+XDS_RESPONSES = Counter("prefix_router_cp_xds_responses", "xDS responses sent")
+XDS_NACKS = Counter("prefix_router_cp_xds_nacks", "xDS responses rejected by a client")
+CP_HOSTS = Gauge("prefix_router_cp_hosts", "Hosts known to the control plane, by state", ["state"])
+CP_EJECTIONS = Counter("prefix_router_cp_ejections", "Hosts ejected by health checks")
+CP_SCRAPE_FAILURES = Counter(
+    "prefix_router_cp_scrape_failures", "Failed /metrics scrapes of vLLM hosts"
+)
+CP_PUBLISHES = Counter(
+    "prefix_router_cp_snapshots_published", "Snapshots published, by kind", ["kind"]
+)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -13,15 +17,20 @@ from prometheus_client import start_http_server
 
 from extproc import metrics
 from extproc.adapter import messages
+from extproc.adapter.fleet_client import FleetClient
 from extproc.adapter.phases import RequestStream
 from extproc.adapter.routing import Router
-from extproc.config import RouterConfig
+from extproc.config import RouterConfig, load_config
+from extproc.errors import ConfigError
+from extproc.filewatch import FileWatcher
+from extproc.picker.hosts import HostSet
 
 log = structlog.get_logger("server")
 
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 # How long SIGTERM waits for open streams (in-flight requests) before cancelling them.
 DRAIN_SECONDS = 30.0
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class ExternalProcessor:
@@ -64,10 +73,71 @@ class ExternalProcessor:
         )
 
 
-async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None:
+class ConfigReloader:
+    """Re-reads the router's config file when it changes and swaps the config in.
+
+    Flags and environment overrides given at start stay in force. An invalid edit is
+    rejected with a log line and the old config stays. Addresses need a restart.
+    """
+
+    RESTART_FIELDS = ("listen", "metrics_listen", "control_plane", "cluster")
+
+    def __init__(self, router: Router, path: Path, overrides: Mapping[str, Any]) -> None:
+        self._router = router
+        self._watch = FileWatcher(path)
+        self._overrides = dict(overrides)
+
+    def check(self) -> bool:
+        if not self._watch.changed():
+            return False
+        old = self._router.config
+        try:
+            new = load_config(self._watch.path, overrides=self._overrides)
+        except ConfigError as error:
+            metrics.CONFIG_RELOADS.labels("rejected").inc()
+            log.error("config_reload_rejected", path=str(self._watch.path), error=str(error))
+            return False
+        kept = {
+            f: getattr(old, f) for f in self.RESTART_FIELDS if getattr(new, f) != getattr(old, f)
+        }
+        if kept:
+            log.warning("config_reload_needs_restart", fields=sorted(kept))
+            new = dataclasses.replace(new, **kept)
+        if new.hosts != old.hosts and new.control_plane is None:
+            self._router.set_hosts(HostSet.of(new.hosts))
+        self._router.config = new
+        metrics.CONFIG_RELOADS.labels("applied").inc()
+        log.info(
+            "config_reloaded",
+            strategy=new.routing_strategy.value,
+            concurrency_threshold=new.concurrency_threshold,
+            prefix_length=new.prefix_length,
+        )
+        return True
+
+    async def run(self, stop: asyncio.Event, interval_s: float = 0.5) -> None:
+        while not stop.is_set():
+            self.check()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=interval_s)
+
+
+async def serve(
+    config: RouterConfig,
+    stop: asyncio.Event | None = None,
+    config_path: Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> None:
     """Run the router until ``stop`` is set (or SIGINT/SIGTERM), then drain and exit."""
     router = Router(config)
-    server = grpc.aio.server()
+    server = grpc.aio.server(
+        options=[
+            # Envoy sends up to its buffer limit (8 MiB by default) of body in one message;
+            # gRPC's default 4 MiB cap would fail those streams.
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+    )
     server.add_generic_rpc_handlers((ExternalProcessor(router).handler(),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -76,19 +146,37 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         raise OSError(f"cannot listen on {config.listen}")
     metrics_host, _, metrics_port = config.metrics_listen.rpartition(":")
     metrics_server, metrics_thread = start_http_server(int(metrics_port), addr=metrics_host)
+    stop = stop or asyncio.Event()
+    background: list[asyncio.Task[None]] = []
+    if config.control_plane is not None:
+        client = FleetClient(router, config.control_plane, config.cluster)
+        background.append(asyncio.create_task(client.run(stop)))
+    if config_path is not None:
+        reloader = ConfigReloader(router, config_path, overrides or {})
+        background.append(asyncio.create_task(reloader.run(stop)))
     await server.start()
-    serving = health_pb2.HealthCheckResponse.SERVING
-    await health_servicer.set("", serving)
-    await health_servicer.set(SERVICE_NAME, serving)
+
+    async def report_ready() -> None:
+        # NOT_SERVING until there is a host set: Envoy's health checks keep streams away
+        # from a router that could not place them.
+        await router.ready.wait()
+        serving = health_pb2.HealthCheckResponse.SERVING
+        await health_servicer.set("", serving)
+        await health_servicer.set(SERVICE_NAME, serving)
+        log.info("router_serving", hosts=len(router.hosts))
+
+    background.append(asyncio.create_task(report_ready()))
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     log.info(
         "router_started",
         listen=config.listen,
         metrics=config.metrics_listen,
         strategy=config.routing_strategy.value,
+        control_plane=config.control_plane,
         hosts=len(router.hosts),
     )
 
-    stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
@@ -97,8 +185,12 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     finally:
         # Tell Envoy's health checks first, then let open streams finish.
         await health_servicer.enter_graceful_shutdown()
-        log.info("router_draining", open_streams=router.in_flight.total())
+        log.info("router_draining", in_flight=router.in_flight.total())
         await server.stop(DRAIN_SECONDS)
+        for task in background:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         metrics_server.shutdown()
         metrics_thread.join(timeout=5)
         for signum in (signal.SIGINT, signal.SIGTERM):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import xxhash
@@ -35,11 +36,13 @@ class Host:
     address: str
     # Precomputed so placement hashes an int per host instead of re-encoding strings.
     identity: int
+    # Models the host serves (base models and loaded LoRA adapters); empty if unknown.
+    models: frozenset[str] = frozenset()
 
     @classmethod
-    def of(cls, address: str) -> Host:
+    def of(cls, address: str, models: frozenset[str] = frozenset()) -> Host:
         normalised = parse_host_address(address)
-        return cls(normalised, xxhash.xxh3_64_intdigest(normalised.encode()))
+        return cls(normalised, xxhash.xxh3_64_intdigest(normalised.encode()), models)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,9 +52,26 @@ class HostSet:
     hosts: tuple[Host, ...]
 
     @classmethod
-    def of(cls, addresses: list[str] | tuple[str, ...]) -> HostSet:
-        unique = {h.address: h for h in (Host.of(a) for a in addresses)}
+    def of(cls, addresses: Iterable[str]) -> HostSet:
+        return cls.of_hosts(Host.of(a) for a in addresses)
+
+    @classmethod
+    def of_hosts(cls, hosts: Iterable[Host]) -> HostSet:
+        unique = {h.address: h for h in hosts}
         return cls(tuple(unique[a] for a in sorted(unique)))
+
+    def serving(self, model: str | None) -> HostSet:
+        """The hosts that have ``model`` loaded, or all hosts if none has.
+
+        This keeps a LoRA adapter's requests sticky within the hosts that hold it; a base
+        model every host serves leaves the set unchanged.
+        """
+        if model is None:
+            return self
+        subset = tuple(h for h in self.hosts if model in h.models)
+        if not subset or len(subset) == len(self.hosts):
+            return self
+        return HostSet(subset)
 
     @property
     def addresses(self) -> frozenset[str]:

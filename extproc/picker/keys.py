@@ -16,6 +16,9 @@ import jiter
 SALT_HEADERS = ("x-prefix-aware-id", "x-amzn-sagemaker-prefix-aware-id")
 SALT_BODY_FIELD = "prompt_cache_key"
 MAX_SALT_LENGTH = 64
+# At most this much of the body is parsed: enough for 65,536 characters of message text
+# behind a large preamble, and it bounds the CPU a huge body can cost.
+PARSE_LIMIT_BYTES = 1024 * 1024
 
 
 class KeyMode(StrEnum):
@@ -124,7 +127,7 @@ def extract_key(
     try:
         # trailing-strings: the router sees only the first bytes, so the last string is
         # usually cut; keep its visible part.
-        parsed = jiter.from_json(body, partial_mode="trailing-strings")
+        parsed = jiter.from_json(body[:PARSE_LIMIT_BYTES], partial_mode="trailing-strings")
     except ValueError:
         parsed = None
     text = openai_prompt_text(parsed)

@@ -28,6 +28,7 @@ MODES: tuple[Mode, ...] = ("override-host", "original-dst")
 CLIENT_ROUTING_HEADERS = (TARGET_HEADER, "x-envoy-original-dst-host", LB_METADATA_KEY)
 BACKEND_CLUSTER = "vllm"
 ROUTER_CLUSTER = "prefix_router"
+XDS_CLUSTER = "xds"
 
 _TYPE = "type.googleapis.com/envoy."
 
@@ -39,13 +40,19 @@ class BootstrapParams:
     admin: tuple[str, int] = ("127.0.0.1", 9901)
     # One entry per router process (Envoy keeps one HTTP/2 connection per endpoint).
     routers: tuple[tuple[str, int], ...] = (("127.0.0.1", 50051),)
+    # The control plane's xDS address: the backend cluster then comes from EDS over ADS.
+    # None gives a STATIC cluster of ``backends`` instead.
+    control_plane: tuple[str, int] | None = ("127.0.0.1", 18000)
     backends: tuple[tuple[str, int], ...] = (
         ("127.0.0.11", 8000),
         ("127.0.0.12", 8000),
         ("127.0.0.13", 8000),
     )
-    # BUFFERED_PARTIAL sends the body to the router once this many bytes have arrived.
-    buffer_limit_bytes: int = 1024 * 1024
+    # BUFFERED_PARTIAL sends the body to the router once this many bytes have arrived, or
+    # at end of stream. Envoy 1.40 intermittently loses the end of a request whose body
+    # overflows this limit while the router is deciding (the upstream then waits for the
+    # rest forever), so it is set well above any realistic LLM request body.
+    buffer_limit_bytes: int = 8 * 1024 * 1024
     message_timeout_ms: int = 500
     upstream_host_header: bool = True
     retries: int = 2
@@ -97,12 +104,33 @@ def _router_cluster(params: BootstrapParams) -> dict[str, Any]:
     }
 
 
+def _xds_cluster(control_plane: tuple[str, int]) -> dict[str, Any]:
+    return {
+        "name": XDS_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "typed_extension_protocol_options": _http2_options(),
+        "load_assignment": _endpoints(XDS_CLUSTER, (control_plane,)),
+    }
+
+
+def _backend_discovery(params: BootstrapParams) -> dict[str, Any]:
+    if params.control_plane is None:
+        return {"type": "STATIC", "load_assignment": _endpoints(BACKEND_CLUSTER, params.backends)}
+    return {
+        "type": "EDS",
+        # Envoy keeps the last endpoints through a control-plane outage.
+        "eds_cluster_config": {
+            "eds_config": {"ads": {}, "resource_api_version": "V3", "initial_fetch_timeout": "5s"}
+        },
+    }
+
+
 def _override_host_cluster(params: BootstrapParams) -> dict[str, Any]:
     return {
         "name": BACKEND_CLUSTER,
-        "type": "STATIC",
+        **_backend_discovery(params),
         "connect_timeout": "1s",
-        "load_assignment": _endpoints(BACKEND_CLUSTER, params.backends),
         "load_balancing_policy": {
             "policies": [
                 {
@@ -198,10 +226,16 @@ def _route_config(params: BootstrapParams) -> dict[str, Any]:
                     "cluster": BACKEND_CLUSTER,
                     # LLM responses stream for minutes; the client decides when to give up.
                     "timeout": "0s",
-                    "retry_policy": {
-                        "retry_on": "connect-failure,reset,refused-stream",
-                        "num_retries": params.retries,
-                    },
+                    **(
+                        {
+                            "retry_policy": {
+                                "retry_on": "connect-failure,reset,refused-stream",
+                                "num_retries": params.retries,
+                            }
+                        }
+                        if params.retries
+                        else {}
+                    ),
                 },
             }
         ],
@@ -238,8 +272,24 @@ def build_bootstrap(params: BootstrapParams) -> dict[str, Any]:
             },
         ],
     }
-    return {
+    clusters = [backend, _router_cluster(params)]
+    bootstrap: dict[str, Any] = {
+        "node": {"id": "envoy", "cluster": "prefix-router-ingress"},
         "admin": {"address": _address(*params.admin)},
+    }
+    uses_eds = params.mode == "override-host" and params.control_plane is not None
+    if uses_eds:
+        assert params.control_plane is not None
+        clusters.append(_xds_cluster(params.control_plane))
+        bootstrap["dynamic_resources"] = {
+            "ads_config": {
+                "api_type": "GRPC",
+                "transport_api_version": "V3",
+                "grpc_services": [{"envoy_grpc": {"cluster_name": XDS_CLUSTER}}],
+            }
+        }
+    return {
+        **bootstrap,
         "static_resources": {
             "listeners": [
                 {
@@ -258,7 +308,7 @@ def build_bootstrap(params: BootstrapParams) -> dict[str, Any]:
                     ],
                 }
             ],
-            "clusters": [backend, _router_cluster(params)],
+            "clusters": clusters,
         },
     }
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
+import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,30 @@ from extproc.stack.processes import (
 )
 
 READY_TIMEOUT_S = 30.0
+
+
+def _join(address: tuple[str, int]) -> str:
+    return f"{address[0]}:{address[1]}"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    # A watcher must never read a half-written config file.
+    partial = path.with_suffix(".tmp")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def scrape_metric(url: str, name: str) -> float | None:
+    """The value of an unlabelled sample ``name`` at a Prometheus endpoint, or None."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split(" ", 1)[1])
+    return None
 
 
 def envoy_binary() -> str:
@@ -85,9 +111,14 @@ class StackSpec:
     sim_backends: tuple[tuple[str, int], ...] = ()
     external_backends: tuple[tuple[str, int], ...] = ()
     router_settings: dict[str, Any] = field(default_factory=dict)
+    # The control plane publishes the fleet to Envoy (EDS) and the router; None gives a
+    # static host list in both instead.
+    control_plane: tuple[str, int] | None = ("127.0.0.1", 18000)
+    control_plane_metrics: tuple[str, int] = ("127.0.0.1", 9103)
+    control_plane_settings: dict[str, Any] = field(default_factory=dict)
     sim_args: tuple[str, ...] = ()
     upstream_host_header: bool = True
-    buffer_limit_bytes: int = 1024 * 1024
+    buffer_limit_bytes: int = BootstrapParams.buffer_limit_bytes
     work_dir: Path | None = None
 
     @property
@@ -97,12 +128,14 @@ class StackSpec:
     @classmethod
     def ephemeral(cls, backends: int = 3, **overrides: Any) -> StackSpec:
         """Free loopback ports everywhere, for tests that run beside other stacks."""
-        listen, admin, router, metrics = free_ports(4)
+        listen, admin, router, metrics, xds, xds_metrics = free_ports(6)
         spec = cls(
             listen=("127.0.0.1", listen),
             admin=("127.0.0.1", admin),
             router=("127.0.0.1", router),
             router_metrics=("127.0.0.1", metrics),
+            control_plane=("127.0.0.1", xds),
+            control_plane_metrics=("127.0.0.1", xds_metrics),
             sim_backends=simulated_backends(backends),
         )
         return replace(spec, **overrides)
@@ -119,6 +152,7 @@ class LocalStack:
         self.sims: list[ManagedProcess] = []
         self.router: ManagedProcess | None = None
         self.envoy: ManagedProcess | None = None
+        self.control_plane: ManagedProcess | None = None
 
     @property
     def url(self) -> str:
@@ -157,22 +191,63 @@ class LocalStack:
                 sim,
             )
 
+    @property
+    def backend_addresses(self) -> list[str]:
+        return [f"{h}:{p}" for h, p in self.spec.backends]
+
+    def control_plane_config_path(self) -> Path:
+        return self.work_dir / "control-plane.yaml"
+
+    def write_control_plane_config(self, **settings: Any) -> Path:
+        assert self.spec.control_plane is not None
+        config = {
+            "listen": _join(self.spec.control_plane),
+            "metrics_listen": _join(self.spec.control_plane_metrics),
+            "hosts": self.backend_addresses,
+            **self.spec.control_plane_settings,
+            **settings,
+        }
+        path = self.control_plane_config_path()
+        _write_atomically(path, yaml.safe_dump(config, sort_keys=False))
+        return path
+
+    def start_control_plane(self) -> None:
+        if self.spec.control_plane is None:
+            return
+        path = self.control_plane_config_path()
+        if not path.exists():
+            self.write_control_plane_config()
+        self.control_plane = ManagedProcess(
+            "control-plane",
+            self._python("control-plane", "--config", str(path)),
+            self.work_dir / "control-plane.log",
+        ).start()
+        host, port = self.spec.control_plane
+        wait_until(
+            lambda: tcp_open(host, port), READY_TIMEOUT_S, "the control plane", self.control_plane
+        )
+
     def router_config_path(self) -> Path:
         return self.work_dir / "router.yaml"
 
     def write_router_config(self, **settings: Any) -> Path:
-        host, port = self.spec.router
-        mhost, mport = self.spec.router_metrics
-        config = {
-            "listen": f"{host}:{port}",
-            "metrics_listen": f"{mhost}:{mport}",
-            "hosts": [f"{h}:{p}" for h, p in self.spec.backends],
-            **self.spec.router_settings,
-            **settings,
+        config: dict[str, Any] = {
+            "listen": _join(self.spec.router),
+            "metrics_listen": _join(self.spec.router_metrics),
         }
+        if self.spec.control_plane is None:
+            config["hosts"] = self.backend_addresses
+        else:
+            config["control_plane"] = _join(self.spec.control_plane)
+        config.update(self.spec.router_settings)
+        config.update(settings)
         path = self.router_config_path()
-        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        _write_atomically(path, yaml.safe_dump(config, sort_keys=False))
         return path
+
+    def router_metric(self, name: str) -> float | None:
+        """One unlabelled sample from the router's /metrics, or None."""
+        return scrape_metric(self.router_metrics_url, name)
 
     def start_router(self) -> None:
         path = self.router_config_path()
@@ -181,8 +256,12 @@ class LocalStack:
         self.router = ManagedProcess(
             "router", self._python("router", "--config", str(path)), self.work_dir / "router.log"
         ).start()
-        host, port = self.spec.router
-        wait_until(lambda: tcp_open(host, port), READY_TIMEOUT_S, "the router", self.router)
+        wait_until(
+            lambda: self.router_metric("prefix_router_hosts") == len(self.spec.backends),
+            READY_TIMEOUT_S,
+            f"the router to know {len(self.spec.backends)} hosts",
+            self.router,
+        )
 
     def stop_router(self) -> None:
         if self.router is not None:
@@ -195,16 +274,35 @@ class LocalStack:
             admin=self.spec.admin,
             routers=(self.spec.router,),
             backends=self.spec.backends,
+            control_plane=self.spec.control_plane,
             upstream_host_header=self.spec.upstream_host_header,
             buffer_limit_bytes=self.spec.buffer_limit_bytes,
         )
 
     def start_envoy(self) -> None:
         self.envoy = start_envoy("envoy", self.bootstrap_params(), self.work_dir)
+        if self.spec.control_plane is not None and self.spec.mode == "override-host":
+            wait_until(
+                lambda: self.envoy_hosts() == set(self.backend_addresses),
+                READY_TIMEOUT_S,
+                "envoy to receive the fleet over EDS",
+                self.envoy,
+            )
+
+    def envoy_hosts(self, cluster: str = "vllm") -> set[str]:
+        """Addresses Envoy has in ``cluster``, from its admin /clusters page."""
+        with urllib.request.urlopen(f"{self.admin_url}/clusters", timeout=2) as response:
+            text = response.read().decode()
+        return {
+            line.split("::")[1]
+            for line in text.splitlines()
+            if line.startswith(f"{cluster}::") and line.split("::")[2] == "cx_active"
+        }
 
     def start(self) -> LocalStack:
         try:
             self.start_sims()
+            self.start_control_plane()
             self.start_router()
             self.start_envoy()
         except BaseException:
@@ -213,7 +311,7 @@ class LocalStack:
         return self
 
     def stop(self) -> None:
-        for process in [self.envoy, self.router, *reversed(self.sims)]:
+        for process in [self.envoy, self.router, self.control_plane, *reversed(self.sims)]:
             if process is not None:
                 process.stop()
         if self._own_dir:

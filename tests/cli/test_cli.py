@@ -25,6 +25,7 @@ def test_up_help_documents_every_flag():
         "--concurrency-threshold",
         "--key-mode",
         "--no-upstream-host-header",
+        "--control-plane",
         "--work-dir",
     ]:
         assert flag in result.stdout

@@ -71,7 +71,7 @@ def test_up_serves_with_affinity_and_stops_cleanly(tmp_path):
             banner += line
         assert f"http://127.0.0.1:{port}" in banner
         children = children_of(up.pid)
-        assert len(children) == 5  # 3 simulators, the router and Envoy
+        assert len(children) == 6  # 3 simulators, the control plane, the router and Envoy
 
         hosts = set()
         for question in range(5):

@@ -1,0 +1,127 @@
+"""The router's xDS client: the host set and load feed from the control plane.
+
+The router subscribes over ADS to the same ClusterLoadAssignment Envoy uses (so both agree
+on placement) plus a ``<cluster>/load`` resource that only routers ask for, which carries
+each host's vLLM load in endpoint metadata. It keeps the last known set through a
+control-plane outage and reconnects with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import grpc
+import structlog
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.service.discovery.v3 import discovery_pb2
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
+
+from extproc import metrics
+from extproc.adapter.routing import Router
+from extproc.control.resources import CLA_TYPE_URL, cla_to_fleet, cla_to_loads, is_load_resource
+from extproc.control.snapshot import LOAD_SUFFIX, SnapshotError
+from extproc.picker.hosts import Host, HostSet
+
+log = structlog.get_logger("fleet_client")
+
+ADS_METHOD = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources"
+
+
+class StreamEnded(Exception):
+    """The control plane closed or broke the stream; reconnect."""
+
+
+class FleetClient:
+    def __init__(self, router: Router, target: str, cluster: str) -> None:
+        self._router = router
+        self._target = target
+        self._cluster = cluster
+        self._node_id = f"prefix-router-{socket.gethostname()}-{id(self):x}"
+
+    def _request(
+        self, version: str = "", nonce: str = "", error: str | None = None
+    ) -> discovery_pb2.DiscoveryRequest:
+        request = discovery_pb2.DiscoveryRequest(
+            version_info=version,
+            response_nonce=nonce,
+            type_url=CLA_TYPE_URL,
+            resource_names=[self._cluster, self._cluster + LOAD_SUFFIX],
+        )
+        request.node.id = self._node_id
+        request.node.cluster = "prefix-router"
+        if error is not None:
+            request.error_detail.code = 3  # INVALID_ARGUMENT
+            request.error_detail.message = error
+        return request
+
+    def apply(self, response: discovery_pb2.DiscoveryResponse) -> None:
+        """Apply every resource in a response; raise SnapshotError to NACK it."""
+        for resource in response.resources:
+            cla = endpoint_pb2.ClusterLoadAssignment()
+            if not resource.Unpack(cla):
+                raise SnapshotError(f"resource of type {resource.type_url} is not a CLA")
+            if is_load_resource(cla.cluster_name):
+                self._router.set_feed(cla_to_loads(cla))
+                metrics.FLEET_UPDATES.labels("load").inc()
+            elif cla.cluster_name == self._cluster:
+                fleet = cla_to_fleet(cla)
+                hosts = HostSet.of_hosts(
+                    Host.of(h.address, frozenset(h.models)) for h in fleet.serving
+                )
+                self._router.set_hosts(hosts)
+                metrics.FLEET_UPDATES.labels("hosts").inc()
+                log.info("fleet_updated", hosts=sorted(hosts.addresses))
+
+    async def _session(self) -> None:
+        async with grpc.aio.insecure_channel(self._target) as channel:
+            call = channel.stream_stream(
+                ADS_METHOD,
+                request_serializer=discovery_pb2.DiscoveryRequest.SerializeToString,
+                response_deserializer=discovery_pb2.DiscoveryResponse.FromString,
+            )()
+            await call.write(self._request())
+            version = ""
+            while True:
+                response = await call.read()
+                if response is grpc.aio.EOF:
+                    raise StreamEnded("the control plane closed the stream")
+                try:
+                    self.apply(response)
+                except (SnapshotError, ValueError) as error:
+                    log.error("fleet_update_rejected", error=str(error))
+                    await call.write(self._request(version, response.nonce, str(error)))
+                    continue
+                version = response.version_info
+                await call.write(self._request(version, response.nonce))
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Stay subscribed until ``stop``; the last known set survives every outage."""
+        session: asyncio.Task[None] | None = None
+        stopper = asyncio.create_task(stop.wait())
+        try:
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(Exception),
+                wait=wait_exponential(multiplier=0.05, max=2.0),
+                reraise=True,
+            ):
+                with attempt:
+                    session = asyncio.create_task(self._session())
+                    await asyncio.wait({session, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                    if stop.is_set():
+                        return
+                    error = session.exception()
+                    if error is not None:
+                        log.warning(
+                            "control_plane_unreachable",
+                            target=self._target,
+                            error=str(error)[:200],
+                        )
+                        raise error
+        finally:
+            stopper.cancel()
+            if session is not None and not session.done():
+                session.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await session

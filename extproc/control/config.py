@@ -1,0 +1,130 @@
+"""Control-plane configuration: frozen, validated, loaded from YAML (hot-reloadable)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from extproc.config import read_config_file
+from extproc.errors import ConfigError
+from extproc.picker.hosts import parse_host_address
+
+
+def _number(name: str, value: Any, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ConfigError(name, value, f"a number from {low:g} to {high:g}")
+    return float(value)
+
+
+def _integer(name: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(name, value, f"an integer from {low} to {high}")
+    return value
+
+
+def _addresses(name: str, values: Any) -> tuple[str, ...]:
+    if values is None:
+        return ()
+    if not isinstance(values, (list, tuple)):
+        raise ConfigError(name, values, "a list of ip:port strings")
+    result = []
+    for index, value in enumerate(values):
+        try:
+            result.append(parse_host_address(str(value)))
+        except ValueError as error:
+            raise ConfigError(f"{name}[{index}]", value, f"ip:port ({error})") from None
+    return tuple(result)
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    interval_s: float = 1.0
+    timeout_s: float = 0.5
+    unhealthy_threshold: int = 2
+    healthy_threshold: int = 2
+
+    def __post_init__(self) -> None:
+        _number("health.interval_s", self.interval_s, 0.05, 300)
+        _number("health.timeout_s", self.timeout_s, 0.01, self.interval_s)
+        _integer("health.unhealthy_threshold", self.unhealthy_threshold, 1, 100)
+        _integer("health.healthy_threshold", self.healthy_threshold, 1, 100)
+
+
+@dataclass(frozen=True)
+class LoadFeedSettings:
+    interval_s: float = 0.25
+    timeout_s: float = 0.2
+
+    def __post_init__(self) -> None:
+        _number("load_feed.interval_s", self.interval_s, 0.05, 60)
+        _number("load_feed.timeout_s", self.timeout_s, 0.01, self.interval_s)
+
+
+@dataclass(frozen=True)
+class ControlPlaneConfig:
+    listen: str = "127.0.0.1:18000"
+    metrics_listen: str = "127.0.0.1:9103"
+    # The Envoy cluster (and EDS resource) the fleet is published as.
+    cluster: str = "vllm"
+    # Static discovery: hosts as ip:port; the file is re-read when it changes.
+    hosts: tuple[str, ...] = ()
+    # DNS discovery: host:port names, re-resolved on every health round.
+    dns: tuple[str, ...] = ()
+    # Hosts that take no new requests but keep the ones in flight.
+    draining: tuple[str, ...] = ()
+    # Optional locality per host, published in EDS.
+    zones: Mapping[str, str] = field(default_factory=dict)
+    health: HealthSettings = field(default_factory=HealthSettings)
+    load_feed: LoadFeedSettings = field(default_factory=LoadFeedSettings)
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        for name in ("listen", "metrics_listen"):
+            value = getattr(self, name)
+            try:
+                set_(self, name, parse_host_address(str(value)))
+            except ValueError:
+                raise ConfigError(name, value, "an ip:port string") from None
+        if not isinstance(self.cluster, str) or not self.cluster:
+            raise ConfigError("cluster", self.cluster, "a non-empty cluster name")
+        set_(self, "hosts", _addresses("hosts", self.hosts))
+        set_(self, "draining", _addresses("draining", self.draining))
+        if not isinstance(self.dns, (list, tuple)) or not all(
+            isinstance(n, str) and ":" in n for n in self.dns
+        ):
+            raise ConfigError("dns", self.dns, "a list of host:port names")
+        set_(self, "dns", tuple(self.dns))
+        if not isinstance(self.zones, Mapping):
+            raise ConfigError("zones", self.zones, "a mapping of ip:port to zone name")
+        set_(self, "zones", {parse_host_address(k): str(v) for k, v in self.zones.items()})
+
+
+def _section(name: str, cls: type, values: Any) -> Any:
+    if values is None:
+        return cls()
+    if not isinstance(values, dict):
+        raise ConfigError(name, values, "a mapping")
+    known = set(cls.__dataclass_fields__)
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"{name}.{unknown[0]}", values[unknown[0]], f"one of {sorted(known)}")
+    return cls(**values)
+
+
+def load_control_plane_config(
+    path: Path | None, overrides: Mapping[str, Any] | None = None
+) -> ControlPlaneConfig:
+    values: dict[str, Any] = read_config_file(path) if path else {}
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    known = set(ControlPlaneConfig.__dataclass_fields__)
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(
+            unknown[0], values[unknown[0]], f"a known field: {', '.join(sorted(known))}"
+        )
+    values["health"] = _section("health", HealthSettings, values.get("health"))
+    values["load_feed"] = _section("load_feed", LoadFeedSettings, values.get("load_feed"))
+    return ControlPlaneConfig(**values)

@@ -1,0 +1,242 @@
+"""Active health checking of vLLM hosts.
+
+The core (`next_health`) is a pure state transition; `probe` is the HTTP adapter and
+`HealthChecker` runs rounds of probes and reports when the published view changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import aiohttp
+import structlog
+
+from extproc.control.model import HostHealth
+
+log = structlog.get_logger("health")
+
+# Probe error texts go into logs and HostHealth; keep them one short line.
+_MAX_ERROR_CHARS = 200
+
+
+@dataclass(frozen=True)
+class HealthPolicy:
+    """How often hosts are probed and how many results flip their state."""
+
+    interval_s: float = 1.0
+    timeout_s: float = 0.5
+    # Consecutive failures that eject a healthy host.
+    unhealthy_threshold: int = 2
+    # Consecutive successes that admit a new or ejected host.
+    healthy_threshold: int = 2
+
+    def __post_init__(self) -> None:
+        _check_positive_seconds("interval_s", self.interval_s)
+        _check_positive_seconds("timeout_s", self.timeout_s)
+        if self.timeout_s > self.interval_s:
+            raise ValueError(
+                f"timeout_s={self.timeout_s!r}: allowed (0, interval_s={self.interval_s!r}]"
+            )
+        _check_count("unhealthy_threshold", self.unhealthy_threshold)
+        _check_count("healthy_threshold", self.healthy_threshold)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """The outcome of one probe of one host."""
+
+    ok: bool
+    models: tuple[str, ...] = ()
+    error: str | None = None
+
+
+def next_health(previous: HostHealth, probe: ProbeResult, policy: HealthPolicy) -> HostHealth:
+    """The host's state after one more probe; a never-seen host starts as HostHealth()."""
+    if probe.ok:
+        successes = previous.consecutive_successes + 1
+        return HostHealth(
+            healthy=previous.healthy or successes >= policy.healthy_threshold,
+            consecutive_failures=0,
+            consecutive_successes=successes,
+            models=probe.models,
+            last_error=None,
+        )
+    failures = previous.consecutive_failures + 1
+    return HostHealth(
+        healthy=previous.healthy and failures < policy.unhealthy_threshold,
+        consecutive_failures=failures,
+        consecutive_successes=0,
+        # The last known models stay, so a readmitted host is routable at once.
+        models=previous.models,
+        last_error=probe.error if probe.error is not None else "probe failed",
+    )
+
+
+def models_from_listing(listing: object) -> tuple[str, ...]:
+    """Model ids from an OpenAI /v1/models body, sorted so that order never looks like change.
+
+    vLLM lists LoRA adapters there too (their `parent` names the base model); both are
+    servable model names, so both are kept. Raises ValueError on a body of another shape.
+    """
+    if not isinstance(listing, dict) or not isinstance(listing.get("data"), list):
+        raise ValueError("/v1/models body has no 'data' list")
+    ids = set()
+    for entry in listing["data"]:
+        model_id = entry.get("id") if isinstance(entry, dict) else None
+        if not isinstance(model_id, str) or not model_id:
+            raise ValueError(f"/v1/models entry without a string id: {entry!r}")
+        ids.add(model_id)
+    return tuple(sorted(ids))
+
+
+async def probe(session: aiohttp.ClientSession, address: str, timeout_s: float) -> ProbeResult:
+    """GET /health (must be 2xx), then /v1/models for the served models. Never raises.
+
+    Both requests share one `timeout_s` budget, so a round never outlasts the interval.
+    """
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    try:
+        async with (
+            asyncio.timeout_at(deadline),
+            session.get(f"http://{address}/health", allow_redirects=False) as response,
+        ):
+            if not 200 <= response.status < 300:
+                return ProbeResult(False, error=f"/health answered HTTP {response.status}")
+    except TimeoutError:
+        return ProbeResult(False, error=f"/health timed out after {timeout_s} s")
+    except Exception as exc:
+        return ProbeResult(False, error=_describe(exc))
+    try:
+        async with (
+            asyncio.timeout_at(deadline),
+            session.get(f"http://{address}/v1/models", allow_redirects=False) as response,
+        ):
+            response.raise_for_status()
+            models = models_from_listing(await response.json(content_type=None))
+    except Exception as exc:
+        # /health is the liveness signal; a host without a model listing still serves.
+        log.debug("health.models_unavailable", address=address, error=_describe(exc))
+        models = ()
+    return ProbeResult(True, models=models)
+
+
+class HealthChecker:
+    """Probes a changing list of hosts in rounds and keeps each host's HostHealth."""
+
+    def __init__(
+        self,
+        policy: HealthPolicy,
+        session_factory: Callable[[], aiohttp.ClientSession] = aiohttp.ClientSession,
+    ) -> None:
+        self._policy = policy
+        self._session_factory = session_factory
+        self._states: dict[str, HostHealth] = {}
+        # Open only while run() is; check_once() alone uses a session per round.
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def states(self) -> Mapping[str, HostHealth]:
+        return MappingProxyType(dict(self._states))
+
+    async def check_once(self, addresses: Iterable[str]) -> Mapping[str, HostHealth]:
+        """Probe every address concurrently; hosts no longer listed are forgotten."""
+        if self._session is not None:
+            return await self._check_with(self._session, addresses)
+        async with self._session_factory() as session:
+            return await self._check_with(session, addresses)
+
+    async def run(
+        self,
+        addresses: Callable[[], Iterable[str]],
+        on_change: Callable[[Mapping[str, HostHealth]], None],
+        stop: asyncio.Event,
+    ) -> None:
+        """Check every `interval_s` until `stop` is set.
+
+        `on_change` gets the states after the first round and then whenever the healthy
+        set or a healthy host's models change: unhealthy hosts are never published, so
+        their counters and models moving is not news.
+        """
+        loop = asyncio.get_running_loop()
+        published: dict[str, tuple[str, ...]] | None = None
+        async with self._session_factory() as session:
+            self._session = session
+            try:
+                while not stop.is_set():
+                    round_started = loop.time()
+                    # A round is bounded by timeout_s, so stop waits at most that long.
+                    states = await self._check_with(session, addresses())
+                    view = _published_view(states)
+                    if view != published:
+                        published = view
+                        on_change(states)
+                    remaining = self._policy.interval_s - (loop.time() - round_started)
+                    await _sleep_unless_stopped(remaining, stop)
+            finally:
+                self._session = None
+
+    async def _check_with(
+        self, session: aiohttp.ClientSession, addresses: Iterable[str]
+    ) -> Mapping[str, HostHealth]:
+        listed = list(dict.fromkeys(addresses))
+        results = await asyncio.gather(
+            *(probe(session, address, self._policy.timeout_s) for address in listed)
+        )
+        states: dict[str, HostHealth] = {}
+        for address, result in zip(listed, results, strict=True):
+            before = self._states.get(address, HostHealth())
+            after = next_health(before, result, self._policy)
+            _log_transition(address, before, after)
+            states[address] = after
+        self._states = states
+        return self.states
+
+
+def _published_view(states: Mapping[str, HostHealth]) -> dict[str, tuple[str, ...]]:
+    return {address: state.models for address, state in states.items() if state.healthy}
+
+
+def _log_transition(address: str, before: HostHealth, after: HostHealth) -> None:
+    if before.healthy and not after.healthy:
+        log.warning(
+            "host.ejected",
+            address=address,
+            reason=after.last_error,
+            consecutive_failures=after.consecutive_failures,
+        )
+    elif after.healthy and not before.healthy:
+        log.info(
+            "host.admitted",
+            address=address,
+            reason=f"{after.consecutive_successes} consecutive successful probes",
+            models=list(after.models),
+        )
+
+
+async def _sleep_unless_stopped(seconds: float, stop: asyncio.Event) -> None:
+    if seconds <= 0:
+        await asyncio.sleep(0)  # let other tasks run between back-to-back rounds
+        return
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
+
+
+def _describe(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return text[:_MAX_ERROR_CHARS]
+
+
+def _check_positive_seconds(field: str, value: float) -> None:
+    valid = isinstance(value, int | float) and not isinstance(value, bool)
+    if not valid or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{field}={value!r}: allowed a finite number of seconds > 0")
+
+
+def _check_count(field: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{field}={value!r}: allowed an integer >= 1")

@@ -1,0 +1,366 @@
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+
+import aiohttp
+import pytest
+from aiohttp import web
+from hypothesis import given
+from hypothesis import strategies as st
+
+from extproc.control.health import (
+    HealthChecker,
+    HealthPolicy,
+    ProbeResult,
+    models_from_listing,
+    next_health,
+    probe,
+)
+from extproc.control.model import HostHealth
+from extproc.sim.server import SimOptions, serve
+
+# Loopback addresses of their own keep these tests clear of other suites' ports.
+SIM_HOST = "127.0.0.31"
+DEAD_HOST = "127.0.0.32"
+MODEL = "llama-test"
+# Generous for loopback, yet well under a test's patience.
+FAST = HealthPolicy(interval_s=0.2, timeout_s=0.2)
+
+OK = ProbeResult(True, models=("m",))
+FAIL = ProbeResult(False, error="refused")
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def simulator(host: str, port: int, model: str = MODEL) -> AsyncIterator[str]:
+    ready = asyncio.Event()
+    server = asyncio.create_task(serve([(host, port)], SimOptions(model=model), ready))
+    try:
+        async with asyncio.timeout(10):
+            await ready.wait()
+        yield f"{host}:{port}"
+    finally:
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server
+
+
+def respond_with(status: int) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def handler(_: web.Request) -> web.Response:
+        return web.Response(status=status)
+
+    return handler
+
+
+@contextlib.asynccontextmanager
+async def app_server(app: web.Application, host: str) -> AsyncIterator[str]:
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.1)
+    await runner.setup()
+    port = free_port(host)
+    try:
+        await web.TCPSite(runner, host, port).start()
+        yield f"{host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+# --- policy ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"interval_s": 0}, "interval_s"),
+        ({"interval_s": float("inf")}, "interval_s"),
+        ({"timeout_s": -1}, "timeout_s"),
+        ({"interval_s": 1.0, "timeout_s": 2.0}, "timeout_s"),
+        ({"unhealthy_threshold": 0}, "unhealthy_threshold"),
+        ({"healthy_threshold": 1.5}, "healthy_threshold"),
+        ({"healthy_threshold": True}, "healthy_threshold"),
+    ],
+)
+def test_policy_rejects_out_of_range_values(overrides: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=f"{field}=.*allowed"):
+        HealthPolicy(**overrides)
+
+
+# --- transitions ----------------------------------------------------------------------
+
+
+def test_new_host_is_admitted_only_after_healthy_threshold_successes() -> None:
+    policy = HealthPolicy(healthy_threshold=3)
+    state = HostHealth()
+    for _ in range(2):
+        state = next_health(state, OK, policy)
+        assert not state.healthy
+    state = next_health(state, OK, policy)
+    assert state.healthy
+    assert state.consecutive_successes == 3
+    assert state.models == ("m",)
+
+
+def test_healthy_host_is_ejected_after_unhealthy_threshold_failures() -> None:
+    policy = HealthPolicy(unhealthy_threshold=2)
+    state = HostHealth(healthy=True, consecutive_successes=5, models=("m",))
+    state = next_health(state, FAIL, policy)
+    assert state.healthy
+    assert state.consecutive_failures == 1
+    assert state.consecutive_successes == 0
+    state = next_health(state, FAIL, policy)
+    assert not state.healthy
+    # Models are kept across failures; the error is recorded.
+    assert state.models == ("m",)
+    assert state.last_error == "refused"
+
+
+def test_a_success_resets_failures_and_clears_the_error() -> None:
+    policy = HealthPolicy(unhealthy_threshold=2)
+    state = next_health(HostHealth(healthy=True), FAIL, policy)
+    state = next_health(state, ProbeResult(True, models=("a", "b")), policy)
+    assert state == HostHealth(
+        healthy=True, consecutive_successes=1, models=("a", "b"), last_error=None
+    )
+    # One failure after the reset is not enough to eject.
+    assert next_health(state, FAIL, policy).healthy
+
+
+def test_a_failure_resets_successes_of_an_unhealthy_host() -> None:
+    policy = HealthPolicy(healthy_threshold=2)
+    state = next_health(HostHealth(), OK, policy)
+    state = next_health(state, FAIL, policy)
+    state = next_health(state, OK, policy)
+    assert not state.healthy
+    assert state.consecutive_successes == 1
+
+
+@given(
+    history=st.lists(st.booleans(), max_size=30),
+    run_length=st.integers(min_value=0, max_value=5),
+    final_ok=st.booleans(),
+    unhealthy_threshold=st.integers(min_value=1, max_value=5),
+    healthy_threshold=st.integers(min_value=1, max_value=5),
+)
+def test_a_long_enough_run_decides_health_whatever_came_before(
+    history: list[bool],
+    run_length: int,
+    final_ok: bool,
+    unhealthy_threshold: int,
+    healthy_threshold: int,
+) -> None:
+    policy = HealthPolicy(
+        unhealthy_threshold=unhealthy_threshold, healthy_threshold=healthy_threshold
+    )
+    threshold = healthy_threshold if final_ok else unhealthy_threshold
+    state = HostHealth()
+    for ok in history:
+        state = next_health(state, OK if ok else FAIL, policy)
+    for _ in range(threshold + run_length):
+        state = next_health(state, OK if final_ok else FAIL, policy)
+    assert state.healthy is final_ok
+    assert state.consecutive_successes + state.consecutive_failures >= threshold
+    assert (state.last_error is None) is final_ok
+
+
+@given(st.lists(st.booleans(), min_size=1, max_size=30))
+def test_health_flips_only_at_a_threshold(outcomes: list[bool]) -> None:
+    policy = HealthPolicy(unhealthy_threshold=2, healthy_threshold=3)
+    state = HostHealth()
+    for ok in outcomes:
+        after = next_health(state, OK if ok else FAIL, policy)
+        if after.healthy and not state.healthy:
+            assert ok
+            assert after.consecutive_successes == policy.healthy_threshold
+        if state.healthy and not after.healthy:
+            assert not ok
+            assert after.consecutive_failures == policy.unhealthy_threshold
+        state = after
+
+
+# --- /v1/models -----------------------------------------------------------------------
+
+
+def test_models_listing_keeps_base_models_and_lora_adapters() -> None:
+    listing = {
+        "object": "list",
+        "data": [
+            {"id": "meta-llama/Llama-3.1-8B", "object": "model", "parent": None},
+            {"id": "sql-lora", "object": "model", "parent": "meta-llama/Llama-3.1-8B"},
+            {"id": "chat-lora", "object": "model", "parent": "meta-llama/Llama-3.1-8B"},
+        ],
+    }
+    assert models_from_listing(listing) == ("chat-lora", "meta-llama/Llama-3.1-8B", "sql-lora")
+
+
+@pytest.mark.parametrize("listing", [[], {"data": "x"}, {"data": [{"object": "model"}]}, None])
+def test_models_listing_of_another_shape_is_rejected(listing: object) -> None:
+    with pytest.raises(ValueError, match="/v1/models"):
+        models_from_listing(listing)
+
+
+# --- probe ----------------------------------------------------------------------------
+
+
+async def test_probe_of_a_simulator_learns_its_models() -> None:
+    async with simulator(SIM_HOST, free_port(SIM_HOST)) as address, aiohttp.ClientSession() as s:
+        assert await probe(s, address, timeout_s=2) == ProbeResult(True, models=(MODEL,))
+
+
+async def test_probe_of_a_closed_port_fails_without_raising() -> None:
+    async with aiohttp.ClientSession() as session:
+        result = await probe(session, f"{DEAD_HOST}:{free_port(DEAD_HOST)}", timeout_s=2)
+    assert not result.ok
+    assert result.error
+
+
+async def test_probe_needs_a_2xx_health() -> None:
+    app = web.Application()
+    app.router.add_get("/health", respond_with(503))
+    async with app_server(app, SIM_HOST) as address, aiohttp.ClientSession() as session:
+        result = await probe(session, address, timeout_s=2)
+    assert result == ProbeResult(False, error="/health answered HTTP 503")
+
+
+async def test_probe_without_a_model_listing_is_ok_with_no_models() -> None:
+    app = web.Application()
+    app.router.add_get("/health", respond_with(200))
+    async with app_server(app, SIM_HOST) as address, aiohttp.ClientSession() as session:
+        assert await probe(session, address, timeout_s=2) == ProbeResult(True, models=())
+
+
+async def test_probe_of_a_hung_host_times_out() -> None:
+    release = asyncio.Event()
+
+    async def hang(_: web.Request) -> web.Response:
+        async with asyncio.timeout(10):
+            await release.wait()
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/health", hang)
+    async with app_server(app, SIM_HOST) as address, aiohttp.ClientSession() as session:
+        started = time.monotonic()
+        result = await probe(session, address, timeout_s=0.2)
+        elapsed = time.monotonic() - started
+        release.set()
+    assert not result.ok
+    assert "timed out" in (result.error or "")
+    assert elapsed < 1.0
+
+
+# --- checker --------------------------------------------------------------------------
+
+
+async def test_simulator_is_admitted_after_two_rounds_and_ejected_after_it_stops() -> None:
+    checker = HealthChecker(HealthPolicy(timeout_s=0.5, healthy_threshold=2))
+    async with simulator(SIM_HOST, free_port(SIM_HOST)) as address:
+        first = await checker.check_once([address])
+        assert not first[address].healthy
+        assert first[address].models == (MODEL,)
+        second = await checker.check_once([address])
+        assert second[address].healthy
+        assert second[address].models == (MODEL,)
+    # The simulator is gone: one failure is tolerated, the second ejects.
+    third = await checker.check_once([address])
+    assert third[address].healthy
+    assert third[address].consecutive_failures == 1
+    fourth = await checker.check_once([address])
+    assert not fourth[address].healthy
+    assert fourth[address].models == (MODEL,)
+    assert fourth[address].last_error
+
+
+async def test_a_port_with_nothing_listening_never_becomes_healthy() -> None:
+    checker = HealthChecker(FAST)
+    address = f"{DEAD_HOST}:{free_port(DEAD_HOST)}"
+    for _ in range(4):
+        states = await checker.check_once([address])
+        assert not states[address].healthy
+    assert states[address].consecutive_failures == 4
+
+
+async def test_hosts_no_longer_listed_are_forgotten() -> None:
+    checker = HealthChecker(FAST)
+    gone = f"{DEAD_HOST}:{free_port(DEAD_HOST)}"
+    await checker.check_once([gone])
+    assert set(checker.states) == {gone}
+    async with simulator(SIM_HOST, free_port(SIM_HOST)) as address:
+        states = await checker.check_once([address])
+    assert set(states) == {address}
+    assert set(checker.states) == {address}
+
+
+async def test_run_reports_transitions_only_and_stops_promptly() -> None:
+    checker = HealthChecker(FAST)
+    dead = f"{DEAD_HOST}:{free_port(DEAD_HOST)}"
+    changes: list[Mapping[str, HostHealth]] = []
+    rounds = 0
+    stop = asyncio.Event()
+    sim_address = f"{SIM_HOST}:{free_port(SIM_HOST)}"
+
+    def addresses() -> list[str]:
+        nonlocal rounds
+        rounds += 1
+        return [sim_address, dead]
+
+    async def wait_for_rounds(count: int) -> None:
+        target = rounds + count
+        async with asyncio.timeout(10):
+            while rounds < target:
+                await asyncio.sleep(0.01)
+
+    def healthy_sets() -> list[set[str]]:
+        return [{a for a, s in states.items() if s.healthy} for states in changes]
+
+    async with simulator(SIM_HOST, int(sim_address.rpartition(":")[2])):
+        runner = asyncio.create_task(checker.run(addresses, changes.append, stop))
+        # Rounds 1 and 2 report (first round, then admission); the rest are quiet.
+        await wait_for_rounds(5)
+        assert healthy_sets() == [set(), {sim_address}]
+        assert changes[-1][sim_address].models == (MODEL,)
+    # Ejection after unhealthy_threshold=2 failed rounds is reported once.
+    await wait_for_rounds(4)
+    assert healthy_sets() == [set(), {sim_address}, set()]
+
+    stop.set()
+    started = time.monotonic()
+    async with asyncio.timeout(5):
+        await runner
+    assert time.monotonic() - started < FAST.timeout_s + 0.5
+    assert len(changes) == 3
+
+
+async def test_run_stops_during_a_long_interval() -> None:
+    checker = HealthChecker(HealthPolicy(interval_s=30, timeout_s=0.5))
+    reported = asyncio.Event()
+    stop = asyncio.Event()
+    runner = asyncio.create_task(
+        checker.run(lambda: [f"{DEAD_HOST}:{free_port(DEAD_HOST)}"], lambda _: reported.set(), stop)
+    )
+    async with asyncio.timeout(5):
+        await reported.wait()
+    stop.set()
+    started = time.monotonic()
+    async with asyncio.timeout(5):
+        await runner
+    assert time.monotonic() - started < 0.5
+
+
+async def test_run_closes_its_session() -> None:
+    sessions: list[aiohttp.ClientSession] = []
+
+    def factory() -> aiohttp.ClientSession:
+        sessions.append(aiohttp.ClientSession())
+        return sessions[-1]
+
+    stop = asyncio.Event()
+    checker = HealthChecker(FAST, session_factory=factory)
+    await checker.run(lambda: [], lambda _: stop.set(), stop)
+    assert len(sessions) == 1
+    assert sessions[0].closed
