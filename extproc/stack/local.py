@@ -172,18 +172,33 @@ class LocalStack:
     def _python(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "extproc", *args]
 
+    def launch_sim(self, host: str, port: int) -> ManagedProcess:
+        """Start one simulator (not waiting for it); it joins ``self.sims``."""
+        name = f"sim-{host}-{port}"
+        sim = ManagedProcess(
+            name,
+            self._python("sim", "--address", f"{host}:{port}", *self.spec.sim_args),
+            self.work_dir / f"{name}.log",
+        ).start()
+        self.sims.append(sim)
+        return sim
+
+    def start_sim(self, host: str, port: int) -> ManagedProcess:
+        sim = self.launch_sim(host, port)
+        wait_until(
+            lambda: http_ok(f"http://{host}:{port}/health"),
+            READY_TIMEOUT_S,
+            f"simulator {host}:{port}",
+            sim,
+        )
+        return sim
+
     def start_sims(self) -> None:
         if self.spec.external_backends:
             return
-        for host, port in self.spec.sim_backends:
-            name = f"sim-{host}"
-            sim = ManagedProcess(
-                name,
-                self._python("sim", "--address", f"{host}:{port}", *self.spec.sim_args),
-                self.work_dir / f"{name}.log",
-            ).start()
-            self.sims.append(sim)
-        for sim, (host, port) in zip(self.sims, self.spec.sim_backends, strict=True):
+        # Launch all, then wait: they start in parallel.
+        launched = [self.launch_sim(h, p) for h, p in self.spec.sim_backends]
+        for sim, (host, port) in zip(launched, self.spec.sim_backends, strict=True):
             wait_until(
                 lambda h=host, p=port: http_ok(f"http://{h}:{p}/health"),
                 READY_TIMEOUT_S,

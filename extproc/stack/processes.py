@@ -6,8 +6,8 @@ same way, through this module, so the tests exercise what users run.
 
 from __future__ import annotations
 
-import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,17 +18,18 @@ from pathlib import Path
 
 from extproc.errors import RouterError
 
-_PR_SET_PDEATHSIG = 1
-
 
 class StackError(RouterError):
     """A process of the local stack failed to start or to become ready."""
 
 
-def _die_with_parent() -> None:
-    # If the supervising process is killed outright, the kernel kills the children too,
-    # so a crashed `prefix-router up` leaves nothing behind.
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def _dying_with_parent(argv: list[str]) -> list[str]:
+    """Wrap ``argv`` so the kernel kills it if its parent dies, and a crashed
+    `prefix-router up` leaves nothing behind. util-linux's setpriv does the prctl in the
+    child; a preexec_fn would run Python between fork and exec, which is unsafe in a
+    process with threads (gRPC's) and was seen to crash the child."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "SIGKILL", "--", *argv] if setpriv else argv
 
 
 class ManagedProcess:
@@ -45,12 +46,11 @@ class ManagedProcess:
         log = self.log_path.open("ab")
         try:
             self.popen = subprocess.Popen(
-                self.argv,
+                _dying_with_parent(self.argv),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **(self.env or {})},
-                preexec_fn=_die_with_parent,
                 # Own process group: a terminal's Ctrl-C reaches only the supervisor,
                 # which then stops the children in order.
                 start_new_session=True,

@@ -1,0 +1,113 @@
+"""Helpers for control-plane tests: fast health settings, prefix probes, background load."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import httpx
+
+from extproc.stack.local import LocalStack, StackSpec
+from extproc.stack.processes import wait_until
+
+FAST_CONTROL_PLANE = {
+    "health": {
+        "interval_s": 0.2,
+        "timeout_s": 0.15,
+        "unhealthy_threshold": 2,
+        "healthy_threshold": 1,
+    },
+    "load_feed": {"interval_s": 0.1, "timeout_s": 0.08},
+}
+
+
+def fleet_spec(backends: int = 3, **overrides) -> StackSpec:
+    settings = {
+        "sim_args": ("--ttft-ms", "0", "--itl-ms", "20"),
+        "router_settings": {"concurrency_threshold": 4, "prefix_length": 4096},
+        "control_plane_settings": FAST_CONTROL_PLANE,
+        **overrides,
+    }
+    return StackSpec.ephemeral(backends, **settings)
+
+
+def document(n: int) -> str:
+    return f"document {n}: " + "the quick brown fox jumps over the lazy dog " * 120
+
+
+def chat(text: str, max_tokens: int = 1) -> dict:
+    return {
+        "model": "sim-model",
+        "max_tokens": max_tokens,
+        "messages": [{"role": "system", "content": text}, {"role": "user", "content": "q"}],
+    }
+
+
+def placements(stack: LocalStack, docs: Iterable[int]) -> dict[int, str]:
+    """Where each document's prefix is served now (every request must succeed)."""
+    result = {}
+    with httpx.Client(base_url=stack.url, timeout=10) as client:
+        for doc in docs:
+            response = client.post("/v1/chat/completions", json=chat(document(doc)))
+            assert response.status_code == 200, response.text
+            result[doc] = response.headers["x-upstream-host"]
+    return result
+
+
+def moved_fraction(before: dict[int, str], after: dict[int, str]) -> float:
+    return sum(before[d] != after[d] for d in before) / len(before)
+
+
+def wait_for_envoy_hosts(stack: LocalStack, expected: set[str], timeout: float = 10) -> float:
+    """Seconds until Envoy's cluster holds exactly ``expected``."""
+    started = time.monotonic()
+    wait_until(lambda: stack.envoy_hosts() == expected, timeout, f"envoy hosts {expected}")
+    return time.monotonic() - started
+
+
+def wait_for_router_hosts(stack: LocalStack, count: int, timeout: float = 10) -> None:
+    wait_until(
+        lambda: stack.router_metric("prefix_router_hosts") == count,
+        timeout,
+        f"router to know {count} hosts",
+    )
+
+
+class Traffic:
+    """Background requests over a rotating set of prefixes, bounded in count and time."""
+
+    def __init__(self, stack: LocalStack, docs: int = 20, limit: int = 5000) -> None:
+        self._stack = stack
+        self._docs = docs
+        self._limit = limit
+        self._stop = threading.Event()
+        self.statuses: list[int] = []
+        self.errors: list[str] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + 120
+        with httpx.Client(base_url=self._stack.url, timeout=10) as client:
+            n = 0
+            while not self._stop.is_set() and n < self._limit and time.monotonic() < deadline:
+                try:
+                    body = chat(document(1000 + n % self._docs))
+                    self.statuses.append(client.post("/v1/chat/completions", json=body).status_code)
+                except httpx.HTTPError as error:
+                    self.errors.append(repr(error))
+                n += 1
+
+    @property
+    def failures(self) -> int:
+        return sum(s >= 500 for s in self.statuses) + len(self.errors)
+
+    @contextmanager
+    def running(self) -> Iterator[Traffic]:
+        self._thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            self._thread.join(timeout=30)

@@ -1,0 +1,171 @@
+"""The control plane with the real Envoy: EDS over ADS, scaling, failures, outages."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from extproc.stack.local import LocalStack
+from extproc.stack.processes import free_port, wait_until
+
+from .fleet_helpers import (
+    Traffic,
+    chat,
+    document,
+    fleet_spec,
+    moved_fraction,
+    placements,
+    wait_for_envoy_hosts,
+    wait_for_router_hosts,
+)
+
+DOCS = range(80)
+
+
+@pytest.fixture
+def stack():
+    with LocalStack(fleet_spec(3)) as running:
+        yield running
+
+
+def test_envoy_serves_the_fleet_it_got_over_ads(stack: LocalStack):
+    assert stack.envoy_hosts() == set(stack.backend_addresses)
+    seen = set(placements(stack, DOCS).values())
+    assert seen == set(stack.backend_addresses)
+    stats = httpx.get(f"{stack.admin_url}/stats?filter=cluster.vllm.update_success").text
+    assert int(stats.strip().rsplit(" ", 1)[1]) >= 1
+
+
+def test_scale_out_then_in_moves_about_a_quarter_and_fails_nothing(stack: LocalStack):
+    three = set(stack.backend_addresses)
+    before = placements(stack, DOCS)
+    new_host = ("127.0.0.14", free_port("127.0.0.14"))
+    new_address = f"{new_host[0]}:{new_host[1]}"
+    with Traffic(stack).running() as traffic:
+        stack.start_sim(*new_host)
+        stack.write_control_plane_config(hosts=[*stack.backend_addresses, new_address])
+        wait_for_envoy_hosts(stack, three | {new_address})
+        wait_for_router_hosts(stack, 4)
+        grown = placements(stack, DOCS)
+        # Scale back in: the 4th host leaves; only its prefixes move, back home.
+        stack.write_control_plane_config(hosts=stack.backend_addresses)
+        wait_for_envoy_hosts(stack, three)
+        wait_for_router_hosts(stack, 3)
+        shrunk = placements(stack, DOCS)
+    moved_out = moved_fraction(before, grown)
+    assert 0.1 <= moved_out <= 0.4, moved_out  # consistent placement: about 1/4
+    assert {grown[d] for d in DOCS if grown[d] != before[d]} == {new_address}
+    assert shrunk == before  # scale-in moved exactly the 4th host's prefixes back
+    assert traffic.failures == 0, (traffic.errors[:3], traffic.statuses.count(503))
+    assert len(traffic.statuses) > 20
+
+
+def test_killed_backend_is_ejected_and_its_prefixes_move_to_their_next_host(stack: LocalStack):
+    before = placements(stack, DOCS)
+    victim = stack.sims[0]
+    victim_address = stack.backend_addresses[0]
+    with Traffic(stack).running() as traffic:
+        victim.kill()
+        killed_at = time.monotonic()
+        wait_until(lambda: victim_address not in stack.envoy_hosts(), 10, "ejection from envoy")
+        ejected_after = time.monotonic() - killed_at
+        wait_for_router_hosts(stack, 2)
+        after = placements(stack, DOCS)
+    # interval 0.2 s x 2 failures (+ timeout and publish): well under 2 s.
+    assert ejected_after < 2.0, ejected_after
+    for doc in DOCS:
+        if before[doc] != victim_address:
+            assert after[doc] == before[doc]
+        else:
+            assert after[doc] != victim_address
+    # Retries through the failover list hide the dead host from clients.
+    assert traffic.failures == 0, (traffic.errors[:3], traffic.statuses.count(503))
+
+
+def test_control_plane_outage_drops_no_traffic(stack: LocalStack):
+    before = placements(stack, DOCS)
+    with Traffic(stack).running() as traffic:
+        stack.control_plane.kill()
+        time.sleep(1.5)
+        during = placements(stack, DOCS)
+        assert stack.envoy_hosts() == set(stack.backend_addresses)
+        stack.start_control_plane()
+        time.sleep(1.0)
+        after = placements(stack, DOCS)
+    assert during == before == after
+    assert traffic.failures == 0
+    assert stack.router.running
+
+
+def test_draining_host_gets_no_new_requests(stack: LocalStack):
+    draining = stack.backend_addresses[1]
+    stack.write_control_plane_config(draining=[draining])
+    wait_for_router_hosts(stack, 2)
+    after = placements(stack, DOCS)
+    assert draining not in after.values()
+    assert set(after.values()) == set(stack.backend_addresses) - {draining}
+
+
+def test_saturated_host_sheds_its_prefixes_until_its_load_drops(stack: LocalStack):
+    home = placements(stack, DOCS)
+    target = stack.backend_addresses[2]
+    mine = [d for d in DOCS if home[d] == target][:5]
+    assert mine
+    # Load the host directly, not through this router: only the feed can tell.
+    hold = chat("background load " * 50, max_tokens=100)  # ~2 s each
+    with httpx.Client(timeout=30) as direct:
+        threads = [
+            threading.Thread(
+                target=lambda: direct.post(f"http://{target}/v1/chat/completions", json=hold)
+            )
+            for _ in range(5)
+        ]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.5)  # a few feed rounds
+        during = placements(stack, mine)
+        for thread in threads:
+            thread.join(timeout=30)
+    assert target not in during.values()
+    time.sleep(0.5)  # the feed reports the host idle again
+    recovered = placements(stack, mine)
+    assert set(recovered.values()) == {target}
+    overflows = httpx.get(stack.router_metrics_url).text
+    assert 'prefix_router_overflows_total{strategy="PREFIX_AWARE"}' in overflows
+
+
+def test_router_config_hot_reload_changes_strategy_and_threshold(stack: LocalStack):
+    pid = stack.router.popen.pid
+    assert len(set(placements(stack, range(1)).values())) == 1
+    with httpx.Client(base_url=stack.url, timeout=10) as client:
+        same_doc = {
+            client.post("/v1/chat/completions", json=chat(document(5))).headers["x-upstream-host"]
+            for _ in range(12)
+        }
+    assert len(same_doc) == 1
+
+    stack.write_router_config(routing_strategy="RANDOM", concurrency_threshold=1)
+    wait_until(
+        lambda: 'result="applied"' in httpx.get(stack.router_metrics_url).text,
+        5,
+        "the applied reload",
+    )
+    with httpx.Client(base_url=stack.url, timeout=10) as client:
+        spread = {
+            client.post("/v1/chat/completions", json=chat(document(5))).headers["x-upstream-host"]
+            for _ in range(30)
+        }
+    assert len(spread) >= 2
+    assert stack.router.popen.pid == pid and stack.router.running
+
+    # An invalid edit is rejected and the running config stays.
+    stack.write_router_config(routing_strategy="RANDOM", concurrency_threshold=5000)
+    wait_until(
+        lambda: 'result="rejected"' in httpx.get(stack.router_metrics_url).text,
+        5,
+        "the rejected reload",
+    )
+    assert stack.router.running
