@@ -9,15 +9,17 @@ from pathlib import Path
 class FileWatcher:
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._stamp: tuple[int, int] | None = self._stat()
+        self._stamp: tuple[int, ...] | None = self._stat()
         self._digest = self._hash()
 
-    def _stat(self) -> tuple[int, int] | None:
+    def _stat(self) -> tuple[int, ...] | None:
         try:
             stat = self.path.stat()
         except OSError:
             return None
-        return stat.st_mtime_ns, stat.st_size
+        # ctime and inode catch edits that keep size and mtime (cp -p, rsync -t, an
+        # atomic rename, two writes within one timestamp tick).
+        return stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino, stat.st_size
 
     def _hash(self) -> str | None:
         try:

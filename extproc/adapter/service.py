@@ -93,16 +93,18 @@ class ConfigReloader:
         old = self._router.config
         try:
             new = load_config(self._watch.path, overrides=self._overrides)
+            restart_only = list(self.RESTART_FIELDS)
+            if new.control_plane != old.control_plane:
+                # Switching between static hosts and a control plane needs a restart too.
+                restart_only.append("hosts")
+            kept = {f: getattr(old, f) for f in restart_only if getattr(new, f) != getattr(old, f)}
+            if kept:
+                log.warning("config_reload_needs_restart", fields=sorted(kept))
+                new = dataclasses.replace(new, **kept)
         except ConfigError as error:
             metrics.CONFIG_RELOADS.labels("rejected").inc()
             log.error("config_reload_rejected", path=str(self._watch.path), error=str(error))
             return False
-        kept = {
-            f: getattr(old, f) for f in self.RESTART_FIELDS if getattr(new, f) != getattr(old, f)
-        }
-        if kept:
-            log.warning("config_reload_needs_restart", fields=sorted(kept))
-            new = dataclasses.replace(new, **kept)
         if new.hosts != old.hosts and new.control_plane is None:
             self._router.set_hosts(HostSet.of(new.hosts))
         self._router.config = new

@@ -92,14 +92,22 @@ class ControlPlaneConfig:
             raise ConfigError("cluster", self.cluster, "a non-empty cluster name")
         set_(self, "hosts", _addresses("hosts", self.hosts))
         set_(self, "draining", _addresses("draining", self.draining))
-        if not isinstance(self.dns, (list, tuple)) or not all(
-            isinstance(n, str) and ":" in n for n in self.dns
-        ):
+        if not isinstance(self.dns, (list, tuple)):
             raise ConfigError("dns", self.dns, "a list of host:port names")
+        for index, name in enumerate(self.dns):
+            host, _, port = str(name).rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"dns[{index}]", name, "host:port with a port from 1 to 65535")
         set_(self, "dns", tuple(self.dns))
         if not isinstance(self.zones, Mapping):
             raise ConfigError("zones", self.zones, "a mapping of ip:port to zone name")
-        set_(self, "zones", {parse_host_address(k): str(v) for k, v in self.zones.items()})
+        zones = {}
+        for key, zone in self.zones.items():
+            try:
+                zones[parse_host_address(str(key))] = str(zone)
+            except ValueError:
+                raise ConfigError(f"zones[{key!r}]", key, "an ip:port key") from None
+        set_(self, "zones", zones)
 
 
 def _section(name: str, cls: type, values: Any) -> Any:

@@ -129,11 +129,14 @@ class Fleet:
 
     async def discover(self) -> frozenset[str]:
         """Reload the config if it changed, then refresh the candidate hosts."""
-        if self.reload_config():
-            # Draining flags and zones may have changed without any health change.
-            self.publish_fleet(self.health.states)
+        reloaded = self.reload_config()
         self.addresses = await self._discovery.addresses()
         metrics.CP_HOSTS.labels("discovered").set(len(self.addresses))
+        if reloaded:
+            # Draining flags, zones or the host list may have changed without any health
+            # change: republish at once, without hosts the new config no longer lists.
+            current = {a: s for a, s in self.health.states.items() if a in self.addresses}
+            self.publish_fleet(current)
         return self.addresses
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -36,6 +36,8 @@ class StreamState:
     nonce_counter: int = 0
     last_nonce: str = ""
     last_version: str = ""
+    # Resource versions carried by the response with ``last_nonce``: what a NACK rejects.
+    last_sent: dict[str, str] = field(default_factory=dict)
     acked_version: str = ""
 
 
@@ -80,9 +82,8 @@ class XdsStream:
     def _on_nack(self, request: DiscoveryRequest) -> None:
         state = self.state
         metrics.XDS_NACKS.inc()
-        for name in state.subscribed:
-            if name in state.sent:
-                state.rejected.setdefault(name, set()).add(state.sent[name])
+        for name, version in state.last_sent.items():
+            state.rejected.setdefault(name, set()).add(version)
         log.error(
             "xds_nack",
             node=state.node,
@@ -107,6 +108,7 @@ class XdsStream:
             return None
         for snapshot in changed:
             state.sent[snapshot.name] = snapshot.version
+        state.last_sent = {snapshot.name: snapshot.version for snapshot in changed}
         state.nonce_counter += 1
         state.last_nonce = str(state.nonce_counter)
         # Sent resources only: in state-of-the-world EDS, a cluster left out is unchanged.
