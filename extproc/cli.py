@@ -189,15 +189,26 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from extproc import logs
-    from extproc.bench.overhead import OverheadOptions, run
 
     logs.configure("info")
-    options = OverheadOptions(
-        duration_s=2.0 if args.quick else args.duration,
-        rounds=1 if args.quick else args.rounds,
-        out_dir=args.out,
+    rounds = 1 if args.quick else args.rounds
+    if args.workload == "fleet-events":
+        from extproc.bench import fleet_events
+
+        path = fleet_events.run(
+            fleet_events.FleetEventOptions(
+                prefixes=50 if args.quick else 200, rounds=rounds, out_dir=args.out
+            )
+        )
+        print(path.read_text())
+        return 0
+    from extproc.bench.overhead import OverheadOptions, run
+
+    run(
+        OverheadOptions(
+            duration_s=2.0 if args.quick else args.duration, rounds=rounds, out_dir=args.out
+        )
     )
-    run(options)
     return 0
 
 
@@ -340,9 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="run a benchmark and write its report to docs/benchmarks/",
         description="Benchmarks run the alternatives side by side in one run. "
-        "overhead: direct vs Envoy vs Envoy+router, at concurrency 1 and 16 (needs wrk).",
+        "overhead: direct vs Envoy vs Envoy+router, at concurrency 1 and 16 (needs wrk). "
+        "fleet-events: prefixes moved scaling 3->4->3, and time from a host's death to "
+        "its ejection.",
     )
-    bench.add_argument("--workload", choices=["overhead"], required=True)
+    bench.add_argument("--workload", choices=["overhead", "fleet-events"], required=True)
     bench.add_argument("--duration", type=float, default=10.0, help="seconds per sample")
     bench.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians quoted")
     bench.add_argument("--quick", action="store_true", help="a short smoke run")

@@ -9,6 +9,8 @@ from contextlib import contextmanager
 
 import httpx
 
+from extproc.bench.fleet_events import document, moved
+from extproc.bench.fleet_events import placements as bench_placements
 from extproc.stack.local import LocalStack, StackSpec
 from extproc.stack.processes import wait_until
 
@@ -33,31 +35,21 @@ def fleet_spec(backends: int = 3, **overrides) -> StackSpec:
     return StackSpec.ephemeral(backends, **settings)
 
 
-def document(n: int) -> str:
-    return f"document {n}: " + "the quick brown fox jumps over the lazy dog " * 120
-
-
 def chat(text: str, max_tokens: int = 1) -> dict:
     return {
         "model": "sim-model",
         "max_tokens": max_tokens,
-        "messages": [{"role": "system", "content": text}, {"role": "user", "content": "q"}],
+        "messages": [{"role": "user", "content": text}],
     }
+
+
+__all__ = ["document", "moved_fraction"]
+moved_fraction = moved
 
 
 def placements(stack: LocalStack, docs: Iterable[int]) -> dict[int, str]:
     """Where each document's prefix is served now (every request must succeed)."""
-    result = {}
-    with httpx.Client(base_url=stack.url, timeout=10) as client:
-        for doc in docs:
-            response = client.post("/v1/chat/completions", json=chat(document(doc)))
-            assert response.status_code == 200, response.text
-            result[doc] = response.headers["x-upstream-host"]
-    return result
-
-
-def moved_fraction(before: dict[int, str], after: dict[int, str]) -> float:
-    return sum(before[d] != after[d] for d in before) / len(before)
+    return bench_placements(stack.url, docs)
 
 
 def wait_for_envoy_hosts(stack: LocalStack, expected: set[str], timeout: float = 10) -> float:

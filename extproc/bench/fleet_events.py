@@ -1,0 +1,162 @@
+"""Fleet events: how many prefixes move when the fleet scales 3→4→3, and how long a dead
+host takes to leave Envoy's and the router's host sets, with the control plane's defaults.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import structlog
+
+from extproc.bench import report
+from extproc.stack.local import LocalStack, StackSpec
+from extproc.stack.processes import free_port, wait_until
+
+log = structlog.get_logger("bench")
+
+
+def document(n: int) -> str:
+    return f"document {n}: " + "the quick brown fox jumps over the lazy dog " * 200
+
+
+def placements(url: str, docs: Iterable[int]) -> dict[int, str]:
+    """Where each document's prefix is served (every request must succeed)."""
+    result = {}
+    with httpx.Client(base_url=url, timeout=10) as client:
+        for doc in docs:
+            body = {
+                "model": "sim-model",
+                "max_tokens": 1,
+                "messages": [{"role": "user", "content": document(doc)}],
+            }
+            response = client.post("/v1/chat/completions", json=body)
+            response.raise_for_status()
+            result[doc] = response.headers["x-upstream-host"]
+    return result
+
+
+def moved(before: dict[int, str], after: dict[int, str]) -> float:
+    return sum(before[d] != after[d] for d in before) / len(before)
+
+
+@dataclass(frozen=True)
+class FleetEventOptions:
+    prefixes: int = 200
+    rounds: int = 3
+    out_dir: Path = Path("docs/benchmarks")
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    moved_3_to_4: float
+    moved_4_to_3: float
+    restored: bool
+    envoy_update_s: float
+    ejection_envoy_s: float
+    ejection_router_s: float
+
+
+def _timed(check, what: str, timeout: float = 30) -> float:  # type: ignore[no-untyped-def]
+    started = time.monotonic()
+    wait_until(check, timeout, what)
+    return time.monotonic() - started
+
+
+def one_round(options: FleetEventOptions) -> RoundResult:
+    spec = StackSpec.ephemeral(3, sim_args=("--ttft-ms", "0", "--itl-ms", "0"))
+    docs = range(options.prefixes)
+    with LocalStack(spec) as stack:
+        three = set(stack.backend_addresses)
+        before = placements(stack.url, docs)
+        extra = ("127.0.0.14", free_port("127.0.0.14"))
+        extra_address = f"{extra[0]}:{extra[1]}"
+        stack.start_sim(*extra)
+        stack.write_control_plane_config(hosts=[*stack.backend_addresses, extra_address])
+        envoy_update = _timed(
+            lambda: (
+                stack.envoy_hosts() == three | {extra_address}
+                and stack.router_metric("prefix_router_hosts") == 4
+            ),
+            "the 4th host",
+        )
+        grown = placements(stack.url, docs)
+        stack.write_control_plane_config(hosts=stack.backend_addresses)
+        _timed(lambda: stack.router_metric("prefix_router_hosts") == 3, "back to 3")
+        _timed(lambda: stack.envoy_hosts() == three, "envoy back to 3")
+        shrunk = placements(stack.url, docs)
+
+        victim = stack.backend_addresses[0]
+        stack.sims[0].kill()
+        killed = time.monotonic()
+        wait_until(lambda: victim not in stack.envoy_hosts(), 30, "ejection from envoy")
+        ejection_envoy = time.monotonic() - killed
+        wait_until(lambda: stack.router_metric("prefix_router_hosts") == 2, 30, "router ejection")
+        ejection_router = time.monotonic() - killed
+    return RoundResult(
+        moved(before, grown),
+        moved(grown, shrunk),
+        shrunk == before,
+        envoy_update,
+        ejection_envoy,
+        ejection_router,
+    )
+
+
+def run(options: FleetEventOptions) -> Path:
+    results = []
+    for number in range(options.rounds):
+        result = one_round(options)
+        log.info("bench.fleet_round", round=number, **result.__dict__)
+        results.append(result)
+
+    def median(values: list[float], digits: int) -> str:
+        return f"{report.median(values):.{digits}f}"
+
+    def spread(values: list[float], digits: int) -> str:
+        return f"{min(values):.{digits}f} to {max(values):.{digits}f}"
+
+    out = [r.moved_3_to_4 for r in results]
+    back = [r.moved_4_to_3 for r in results]
+    update = [r.envoy_update_s for r in results]
+    envoy = [r.ejection_envoy_s for r in results]
+    router = [r.ejection_router_s for r in results]
+    restored = f"{sum(r.restored for r in results)}/{len(results)}"
+    rows = [
+        ["prefixes moved, 3 to 4", median(out, 3), "0.250 (1/4)", spread(out, 3)],
+        ["prefixes moved, 4 to 3", median(back, 3), "same as 3 to 4", spread(back, 3)],
+        ["every prefix back home after 4 to 3", restored, "all rounds", ""],
+        ["config edit to 4th host in Envoy and router (s)", median(update, 2), "", ""],
+        ["SIGKILL to ejected from Envoy (s)", median(envoy, 2), "under 2.5", spread(envoy, 2)],
+        ["SIGKILL to ejected from the router (s)", median(router, 2), "", spread(router, 2)],
+    ]
+    table = report.markdown_table(["measure", "median", "expected", "range"], rows)
+    text = f"""# Fleet events
+
+Scaling and failure with the control plane's **default** settings (health checks every
+1 s, 0.5 s timeout, ejection after 2 failures, admission after 2 successes). Each round
+starts a fresh stack (3 simulated backends, the control plane, the router, Envoy in
+override-host mode), records where {options.prefixes} distinct prefixes are served, adds a
+4th backend by editing the control plane's config file, removes it again, then SIGKILLs
+a backend. Median of {options.rounds} rounds.
+
+{table}
+
+Rendezvous placement moves only the keys the new host wins (ideally 1/4 of them) and,
+when it leaves, exactly those keys return to where they were.
+
+## Reproduce
+
+```
+prefix-router bench --workload fleet-events --rounds {options.rounds}
+```
+
+- Machine: {report.machine_description()}
+"""
+    options.out_dir.mkdir(parents=True, exist_ok=True)
+    path = options.out_dir / "fleet-events.md"
+    path.write_text(text)
+    return path
