@@ -158,5 +158,36 @@ prefix-router bench --workload fleet-events --rounds {options.rounds}
 """
     options.out_dir.mkdir(parents=True, exist_ok=True)
     path = options.out_dir / "fleet-events.md"
-    path.write_text(text)
+    path.write_text(text + "\n![fleet events](fleet-events.png)\n")
+    _plot(results, options.out_dir / "fleet-events.png")
     return path
+
+
+def _plot(results: list[RoundResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (moves, times) = plt.subplots(1, 2, figsize=(10, 4))
+    rounds = range(1, len(results) + 1)
+    moves.bar([r - 0.2 for r in rounds], [r.moved_3_to_4 for r in results], 0.4, label="3 to 4")
+    moves.bar([r + 0.2 for r in rounds], [r.moved_4_to_3 for r in results], 0.4, label="4 to 3")
+    moves.axhline(0.25, color="black", linestyle="--", label="ideal 1/4")
+    moves.set_xlabel("round")
+    moves.set_ylabel("fraction of prefixes moved")
+    moves.set_xticks(list(rounds))
+    moves.legend()
+    labels = ["4th host admitted", "ejected (Envoy)", "ejected (router)"]
+    values = [
+        [r.envoy_update_s for r in results],
+        [r.ejection_envoy_s for r in results],
+        [r.ejection_router_s for r in results],
+    ]
+    times.boxplot(values)
+    times.set_xticks([1, 2, 3], labels)
+    times.set_ylabel("seconds")
+    figure.suptitle("Fleet events with default control-plane settings")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

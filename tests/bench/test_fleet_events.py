@@ -20,3 +20,4 @@ def test_report_is_written(tmp_path, monkeypatch):
     text = run(FleetEventOptions(rounds=2, out_dir=tmp_path)).read_text()
     assert "| prefixes moved, 3 to 4 | 0.250 |" in text
     assert "| SIGKILL to ejected from Envoy (s) | 1.50 |" in text
+    assert (tmp_path / "fleet-events.png").stat().st_size > 10_000
