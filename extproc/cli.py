@@ -192,6 +192,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     logs.configure("info")
     rounds = 1 if args.quick else args.rounds
+    if args.workload == "real-vllm":
+        from extproc.bench import real_vllm
+
+        options = real_vllm.RealVllmOptions(
+            instances=args.instances, out_dir=args.out, report_name=f"real-vllm-{args.device}"
+        )
+        if args.device == "cuda":
+            options = real_vllm.gpu_options(options)
+        results = real_vllm.run(options)
+        for result in results:
+            print(f"{result.strategy}: hit rate {result.hit_rate:.3f}")
+        return 0
     if args.workload == "fleet-events":
         from extproc.bench import fleet_events
 
@@ -353,9 +365,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmarks run the alternatives side by side in one run. "
         "overhead: direct vs Envoy vs Envoy+router, at concurrency 1 and 16 (needs wrk). "
         "fleet-events: prefixes moved scaling 3->4->3, and time from a host's death to "
-        "its ejection.",
+        "its ejection. real-vllm: RANDOM vs PREFIX_AWARE hit rate on real vLLM "
+        "(PREFIX_ROUTER_VLLM_PYTHON names a Python with vllm).",
     )
-    bench.add_argument("--workload", choices=["overhead", "fleet-events"], required=True)
+    bench.add_argument(
+        "--workload", choices=["overhead", "fleet-events", "real-vllm"], required=True
+    )
+    bench.add_argument("--instances", type=int, default=3, help="real-vllm: vLLM instances")
+    bench.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="real-vllm: where vLLM runs"
+    )
     bench.add_argument("--duration", type=float, default=10.0, help="seconds per sample")
     bench.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians quoted")
     bench.add_argument("--quick", action="store_true", help="a short smoke run")

@@ -136,7 +136,7 @@ class StackSpec:
             router_metrics=("127.0.0.1", metrics),
             control_plane=("127.0.0.1", xds),
             control_plane_metrics=("127.0.0.1", xds_metrics),
-            sim_backends=simulated_backends(backends),
+            sim_backends=simulated_backends(backends) if backends else (),
         )
         return replace(spec, **overrides)
 

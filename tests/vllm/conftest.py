@@ -1,0 +1,32 @@
+"""Real vLLM (the CPU build) behind the whole stack. CI installs it; nothing here skips
+there. Elsewhere the tier runs when PREFIX_ROUTER_VLLM_PYTHON names a Python with vllm."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from extproc.bench.real_vllm import RealVllmOptions, real_vllm_stack
+from extproc.stack.vllm import VllmUnavailable, vllm_python
+
+
+@pytest.fixture(scope="session")
+def vllm_interpreter() -> str:
+    try:
+        return vllm_python()
+    except VllmUnavailable as error:
+        if os.environ.get("CI"):
+            pytest.fail(f"the real-vLLM tier must run in CI: {error}")
+        pytest.skip(str(error))
+
+
+@pytest.fixture(scope="session")
+def options() -> RealVllmOptions:
+    return RealVllmOptions(out_dir=None)
+
+
+@pytest.fixture(scope="session")
+def vllm_stack(vllm_interpreter, options, tmp_path_factory):
+    with real_vllm_stack(options, tmp_path_factory.mktemp("real-vllm")) as (stack, servers):
+        yield stack, servers
