@@ -7,7 +7,6 @@ module turns them into snapshots and hands them to the store. It never touches g
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -21,6 +20,7 @@ from extproc.control.discovery import Discovery, DnsSource, Source, StaticSource
 from extproc.control.health import HealthChecker, HealthPolicy
 from extproc.control.loadfeed import LoadFeedPolicy, LoadScraper
 from extproc.control.model import HostHealth, HostLoad
+from extproc.control.rounds import sleep_unless_stopped
 from extproc.control.snapshot import FleetSnapshot, LoadSnapshot, PublishedHost, SnapshotStore
 from extproc.errors import ConfigError
 from extproc.filewatch import FileWatcher
@@ -158,8 +158,7 @@ class Fleet:
 
     async def _discovery_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=self.config.health.interval_s)
+            await sleep_unless_stopped(self.config.health.interval_s, stop)
             if stop.is_set():
                 return
             try:

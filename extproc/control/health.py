@@ -7,7 +7,6 @@ The core (`next_health`) is a pure state transition; `probe` is the HTTP adapter
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ import aiohttp
 import structlog
 
 from extproc.control.model import HostHealth
+from extproc.control.rounds import sleep_unless_stopped
 
 log = structlog.get_logger("health")
 
@@ -176,7 +176,7 @@ class HealthChecker:
                         published = view
                         on_change(states)
                     remaining = self._policy.interval_s - (loop.time() - round_started)
-                    await _sleep_unless_stopped(remaining, stop)
+                    await sleep_unless_stopped(remaining, stop)
             finally:
                 self._session = None
 
@@ -216,14 +216,6 @@ def _log_transition(address: str, before: HostHealth, after: HostHealth) -> None
             reason=f"{after.consecutive_successes} consecutive successful probes",
             models=list(after.models),
         )
-
-
-async def _sleep_unless_stopped(seconds: float, stop: asyncio.Event) -> None:
-    if seconds <= 0:
-        await asyncio.sleep(0)  # let other tasks run between back-to-back rounds
-        return
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), seconds)
 
 
 def _describe(exc: BaseException) -> str:

@@ -7,7 +7,6 @@ runs rounds of scrapes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -19,6 +18,7 @@ import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.control.model import HostLoad
+from extproc.control.rounds import sleep_unless_stopped
 from extproc.errors import RouterError
 
 log = structlog.get_logger("loadfeed")
@@ -162,7 +162,7 @@ class LoadScraper:
                     # A round is bounded by timeout_s, so stop waits at most that long.
                     on_loads(await self._scrape_with(session, addresses()))
                     remaining = self._policy.interval_s - (loop.time() - round_started)
-                    await _sleep_unless_stopped(remaining, stop)
+                    await sleep_unless_stopped(remaining, stop)
             finally:
                 self._session = None
 
@@ -184,11 +184,3 @@ class LoadScraper:
             else:
                 raise result  # a bug or a cancellation, not a host failure
         return MappingProxyType(loads)
-
-
-async def _sleep_unless_stopped(seconds: float, stop: asyncio.Event) -> None:
-    if seconds <= 0:
-        await asyncio.sleep(0)  # let other tasks run between back-to-back rounds
-        return
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), seconds)
