@@ -58,6 +58,9 @@ class BootstrapParams:
     retries: int = 2
     # False gives plain Envoy (least-request over the cluster): the no-router baseline.
     ext_proc: bool = True
+    # With ext_proc off: Envoy's own consistent hashing (ring_hash) on this request header,
+    # the baseline that needs no ext_proc at all.
+    ring_hash_header: str | None = None
 
 
 def _address(host: str, port: int) -> dict[str, Any]:
@@ -126,7 +129,18 @@ def _backend_discovery(params: BootstrapParams) -> dict[str, Any]:
     }
 
 
+def _ring_hash_cluster(params: BootstrapParams) -> dict[str, Any]:
+    return {
+        "name": BACKEND_CLUSTER,
+        **_backend_discovery(params),
+        "connect_timeout": "1s",
+        "lb_policy": "RING_HASH",
+    }
+
+
 def _override_host_cluster(params: BootstrapParams) -> dict[str, Any]:
+    if params.ring_hash_header is not None:
+        return _ring_hash_cluster(params)
     return {
         "name": BACKEND_CLUSTER,
         **_backend_discovery(params),
@@ -240,6 +254,9 @@ def _route_config(params: BootstrapParams) -> dict[str, Any]:
             }
         ],
     }
+    if params.ring_hash_header is not None:
+        route = virtual_host["routes"][0]["route"]
+        route["hash_policy"] = [{"header": {"header_name": params.ring_hash_header}}]
     if params.upstream_host_header:
         virtual_host["response_headers_to_add"] = [
             {

@@ -1,0 +1,90 @@
+"""An open-loop load generator: each request is sent at its scheduled time, whatever the
+state of earlier ones, and its time to first token is read from the streamed response."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+
+
+class ScheduledRequest(Protocol):
+    @property
+    def at_s(self) -> float: ...
+
+    @property
+    def body(self) -> dict[str, Any]: ...
+
+    @property
+    def headers(self) -> dict[str, str]: ...
+
+    @property
+    def group(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class RequestOutcome:
+    group: str
+    status: int
+    ttft_s: float | None
+    latency_s: float | None
+    output_tokens: int
+    served_by: str | None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None and self.ttft_s is not None
+
+
+async def _one(
+    session: aiohttp.ClientSession, url: str, request: ScheduledRequest
+) -> RequestOutcome:
+    started = time.perf_counter()
+    ttft = None
+    tokens = 0
+    try:
+        async with session.post(url, json=request.body, headers=request.headers) as response:
+            served_by = response.headers.get("x-served-by")
+            if response.status != 200:
+                await response.read()
+                return RequestOutcome(request.group, response.status, None, None, 0, served_by)
+            async for raw in response.content:
+                line = raw.strip()
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    if ttft is None:
+                        ttft = time.perf_counter() - started
+                    tokens += 1
+            return RequestOutcome(
+                request.group, 200, ttft, time.perf_counter() - started, tokens, served_by
+            )
+    except (aiohttp.ClientError, TimeoutError) as error:
+        return RequestOutcome(request.group, 0, None, None, tokens, None, repr(error)[:200])
+
+
+async def run_open_loop(
+    url: str,
+    requests: Sequence[ScheduledRequest],
+    time_scale: float = 1.0,
+    timeout_s: float = 300.0,
+) -> tuple[list[RequestOutcome], float]:
+    """Send every request at ``at_s * time_scale``; returns outcomes (in request order) and
+    the wall time from the first send to the last completion."""
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+
+        async def scheduled(request: ScheduledRequest) -> RequestOutcome:
+            delay = start + request.at_s * time_scale - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            return await _one(session, url, request)
+
+        outcomes = await asyncio.gather(*(scheduled(r) for r in requests))
+        return list(outcomes), loop.time() - start
