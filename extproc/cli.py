@@ -16,6 +16,13 @@ from typing import Any
 from extproc.errors import ConfigError, RouterError
 
 EXIT_USAGE = 2
+FLEET_WORKLOADS = (
+    "long-context",
+    "long-context-short-prefix",
+    "conversations",
+    "multi-tenant",
+    "hot-spot",
+)
 
 
 def _ip_port(text: str) -> tuple[str, int]:
@@ -98,13 +105,33 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     from extproc import logs
     from extproc.sim.server import SimOptions, run
 
+    # Flags left unset (None) take SimOptions' defaults; a flag of the other timing is a
+    # mistake worth saying, not ignoring.
+    fixed_only = {"ttft_ms": args.ttft_ms, "itl_ms": args.itl_ms}
+    model_only = {name: getattr(args, name) for name in args.sim_model_flags}
+    wrong_mode = model_only if args.timing == "fixed" else fixed_only
+    other = "model" if args.timing == "fixed" else "fixed"
+    for name, value in wrong_mode.items():
+        if value is not None:
+            flag = "--" + name.replace("_", "-")
+            print(f"prefix-router sim: {flag} applies to --timing {other} only", file=sys.stderr)
+            return EXIT_USAGE
+    given = {
+        name: value for name, value in {**fixed_only, **model_only}.items() if value is not None
+    }
+    try:
+        options = SimOptions(
+            model=args.model,
+            timing=args.timing,
+            time_scale=args.time_scale,
+            capacity_blocks=args.capacity_blocks,
+            block_size_tokens=args.block_size,
+            **given,
+        )
+    except ValueError as error:
+        print(f"prefix-router sim: {error}", file=sys.stderr)
+        return EXIT_USAGE
     logs.configure("info")
-    options = SimOptions(
-        capacity_blocks=args.capacity_blocks,
-        ttft_ms=args.ttft_ms,
-        itl_ms=args.itl_ms,
-        model=args.model,
-    )
     run(args.address, options)
     return 0
 
@@ -204,6 +231,36 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         for result in results:
             print(f"{result.strategy}: hit rate {result.hit_rate:.3f}")
         return 0
+    if args.workload in FLEET_WORKLOADS:
+        from extproc.bench import fleet
+        from extproc.bench.workloads import WorkloadSpec
+
+        spec = WorkloadSpec(
+            name=args.workload,
+            rate_per_s=args.rate,
+            duration_s=15.0 if args.quick else (args.duration or 40.0),
+            **({"documents": 12} if args.quick and "conversations" not in args.workload else {}),
+        )
+        command = "prefix-router bench " + " ".join(sys.argv[2:])
+        paths = fleet.FleetBenchOptions.paths
+        if args.paths:
+            paths = tuple(args.paths.split(","))
+        results = fleet.run(
+            fleet.FleetBenchOptions(
+                workload=spec,
+                time_scale=args.time_scale,
+                out_dir=args.out,
+                command=command,
+                paths=paths,
+            )
+        )
+        for result in results:
+            print(
+                f"{result.path:28} p50 {result.percentile(0.5):8.0f} ms  "
+                f"p90 {result.percentile(0.9):8.0f} ms  hit {result.hit_rate:6.1%}  "
+                f"failed {result.failures}"
+            )
+        return 0
     if args.workload == "fleet-events":
         from extproc.bench import fleet_events
 
@@ -218,7 +275,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     run(
         OverheadOptions(
-            duration_s=2.0 if args.quick else args.duration, rounds=rounds, out_dir=args.out
+            duration_s=2.0 if args.quick else (args.duration or 10.0),
+            rounds=rounds,
+            out_dir=args.out,
         )
     )
     return 0
@@ -348,16 +407,64 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="ip:port to serve one simulated instance on; repeatable",
     )
+    from extproc.sim.options import DEFAULT_CAPACITY_BLOCKS, SimOptions
+
+    sim.add_argument(
+        "--timing",
+        choices=("fixed", "model"),
+        default="fixed",
+        help="fixed: --ttft-ms/--itl-ms whatever the load; model: vLLM's batching, "
+        "queueing and prefill cost, calibrated on Llama-3.3-70B on 8xH100 (default fixed)",
+    )
     sim.add_argument(
         "--capacity-blocks",
         type=int,
-        default=4096,
-        help="prefix-cache capacity in blocks of 16 tokens (default 4096)",
+        default=None,
+        help="KV/prefix-cache capacity in blocks (default "
+        f"{DEFAULT_CAPACITY_BLOCKS['fixed']} with --timing fixed, "
+        f"{DEFAULT_CAPACITY_BLOCKS['model']} with --timing model)",
     )
-    sim.add_argument("--ttft-ms", type=float, default=0.0, help="time to first token, ms")
-    sim.add_argument("--itl-ms", type=float, default=0.0, help="time per further token, ms")
+    sim.add_argument(
+        "--block-size",
+        type=int,
+        default=SimOptions.block_size_tokens,
+        help=f"tokens per KV block (default {SimOptions.block_size_tokens})",
+    )
+    sim.add_argument(
+        "--time-scale",
+        type=float,
+        default=SimOptions.time_scale,
+        help="multiplies every modelled duration; 0.1 runs ten times faster than real time "
+        f"(default {SimOptions.time_scale})",
+    )
+    sim.add_argument(
+        "--ttft-ms",
+        type=float,
+        default=None,
+        help="--timing fixed: time to first token, ms (default 0)",
+    )
+    sim.add_argument(
+        "--itl-ms",
+        type=float,
+        default=None,
+        help="--timing fixed: time per further token, ms (default 0)",
+    )
+    model_flags = (
+        ("--prefill-ms-per-token", float, "prefill time per uncached prompt token, ms"),
+        ("--decode-ms-per-token", float, "decode step time (one token per sequence), ms"),
+        ("--step-overhead-ms", float, "fixed cost of every engine step, ms"),
+        ("--request-overhead-ms", float, "per-request front-end time before queueing, ms"),
+        ("--max-batched-tokens", int, "token budget of one engine step"),
+        ("--max-num-seqs", int, "most requests running at once"),
+    )
+    for flag, kind, text in model_flags:
+        default = getattr(SimOptions, flag.removeprefix("--").replace("-", "_"))
+        sim.add_argument(
+            flag, type=kind, default=None, help=f"--timing model: {text} (default {default})"
+        )
     sim.add_argument("--model", default="sim-model", help="model name served")
-    sim.set_defaults(handler=_cmd_sim)
+    sim_model_flags = [flag.removeprefix("--").replace("-", "_") for flag, _, _ in model_flags]
+    sim.set_defaults(handler=_cmd_sim, sim_model_flags=sim_model_flags)
 
     bench = commands.add_parser(
         "bench",
@@ -369,13 +476,30 @@ def build_parser() -> argparse.ArgumentParser:
         "(PREFIX_ROUTER_VLLM_PYTHON names a Python with vllm).",
     )
     bench.add_argument(
-        "--workload", choices=["overhead", "fleet-events", "real-vllm"], required=True
+        "--workload",
+        choices=["overhead", "fleet-events", "real-vllm", *FLEET_WORKLOADS],
+        required=True,
     )
+    bench.add_argument(
+        "--rate", type=float, default=4.0, help="fleet workloads: requests per second (model time)"
+    )
+    bench.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="fleet workloads: compress simulated time by this factor",
+    )
+    bench.add_argument("--paths", help="fleet workloads: comma-separated subset of paths")
     bench.add_argument("--instances", type=int, default=3, help="real-vllm: vLLM instances")
     bench.add_argument(
         "--device", choices=["cpu", "cuda"], default="cpu", help="real-vllm: where vLLM runs"
     )
-    bench.add_argument("--duration", type=float, default=10.0, help="seconds per sample")
+    bench.add_argument(
+        "--duration",
+        type=float,
+        help="overhead: seconds per sample (default 10); fleet workloads: seconds of arrivals "
+        "in model time (default 40)",
+    )
     bench.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians quoted")
     bench.add_argument("--quick", action="store_true", help="a short smoke run")
     bench.add_argument(

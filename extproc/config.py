@@ -61,6 +61,9 @@ class RouterConfig:
     prefix_length: int = 8192
     # Requests in flight on a host at which new requests overflow to the next host.
     concurrency_threshold: int = 32
+    # PREFIX_AWARE also overflows a host whose load reaches this multiple of the fleet's
+    # mean (bounded-load consistent hashing; never below 2 in flight). None turns it off.
+    balance_factor: float | None = 1.5
     key_mode: KeyMode = KeyMode.OPENAI
     # The static host set (ip:port), for running without a control plane.
     hosts: tuple[str, ...] = ()
@@ -108,6 +111,13 @@ class RouterConfig:
                 )
         if not isinstance(self.cluster, str) or not self.cluster:
             raise ConfigError("cluster", self.cluster, "a non-empty cluster name")
+        factor = self.balance_factor
+        if factor is not None and (
+            isinstance(factor, bool)
+            or not isinstance(factor, (int, float))
+            or not 1.0 <= factor <= 10
+        ):
+            raise ConfigError("balance_factor", factor, "a number from 1.0 to 10, or null")
         feed_age = self.load_feed_max_age_s
         if (
             isinstance(feed_age, bool)
@@ -134,6 +144,11 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
                 values[name] = int(raw)
             except ValueError:
                 raise ConfigError(name, raw, "an integer") from None
+        elif name == "balance_factor":
+            try:
+                values[name] = None if raw.lower() in ("", "none", "null", "off") else float(raw)
+            except ValueError:
+                raise ConfigError(name, raw, "a number or off") from None
         elif name == "load_feed_max_age_s":
             try:
                 values[name] = float(raw)

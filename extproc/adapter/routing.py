@@ -104,6 +104,7 @@ class Router:
             config.concurrency_threshold,
             config.failover_hosts,
             self._rng.random(),
+            config.balance_factor,
         )
         self.in_flight.acquire(decision.primary)
         metrics.DECISIONS.labels(decision.strategy.value, decision.outcome.value).inc()

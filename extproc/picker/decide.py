@@ -6,6 +6,7 @@ load is a snapshot mapping host address to requests in flight.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -47,7 +48,7 @@ class Decision:
         return self.targets[0]
 
 
-def _load(loads: Mapping[str, int], host: Host) -> int:
+def _load(loads: Mapping[str, int | float], host: Host) -> int | float:
     return loads.get(host.address, 0)
 
 
@@ -56,28 +57,51 @@ def _with_failover(primary: Host, order: tuple[Host, ...], failover: int) -> tup
     return (primary.address, *rest)
 
 
+def load_bound(
+    hosts: HostSet,
+    loads: Mapping[str, int | float],
+    concurrency_threshold: int,
+    balance_factor: float | None,
+) -> float:
+    """The in-flight count at which a host overflows.
+
+    Always ``concurrency_threshold``; with ``balance_factor`` also ``balance_factor`` times
+    the mean load including this request (consistent hashing with bounded loads), but never
+    below 2, so a pair of requests for one prefix at an idle fleet stays together. This
+    keeps a hot prefix from piling onto one host while the fleet is busy.
+    """
+    if balance_factor is None or not hosts.hosts:
+        return concurrency_threshold
+    total = sum(_load(loads, h) for h in hosts.hosts) + 1
+    bounded = max(2.0, math.ceil(balance_factor * total / len(hosts.hosts)))
+    return min(float(concurrency_threshold), bounded)
+
+
 def decide(
     digest: int,
     hosts: HostSet,
-    loads: Mapping[str, int],
+    loads: Mapping[str, int | float],
     strategy: Strategy,
     concurrency_threshold: int,
     failover: int,
     rand: float,
+    balance_factor: float | None = None,
 ) -> Decision:
     """Pick the upstream for one request.
 
     ``digest`` is the salted key digest (ignored by RANDOM and LEAST_OUTSTANDING_REQUESTS),
-    ``failover`` is how many extra hosts to append for Envoy's retries, and ``rand`` in
-    [0, 1) breaks ties and drives RANDOM. Never returns a host outside ``hosts``.
+    ``failover`` is how many extra hosts to append for Envoy's retries, ``rand`` in [0, 1)
+    breaks ties and drives RANDOM, and ``balance_factor`` bounds a host's load relative to
+    the fleet's mean (see ``load_bound``). Never returns a host outside ``hosts``.
     """
     if not hosts.hosts:
         raise NoHostsError("the published host set is empty")
 
     if strategy is Strategy.PREFIX_AWARE:
         order = placement_order(digest, hosts)
+        bound = load_bound(hosts, loads, concurrency_threshold, balance_factor)
         for position, host in enumerate(order):
-            if _load(loads, host) < concurrency_threshold:
+            if _load(loads, host) < bound:
                 outcome = Outcome.PLACED if position == 0 else Outcome.OVERFLOW
                 return Decision(_with_failover(host, order, failover), outcome, strategy)
         # All saturated: the least loaded, earliest in the key's order on ties.

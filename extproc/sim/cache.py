@@ -1,11 +1,17 @@
 """Block-level prefix cache that mimics vLLM's automatic prefix caching.
 
 Pure: no I/O and no clock. Recency is the order of calls, nothing else.
+
+Two ways to use it. `lookup_and_insert` is the fixed-timing simulator's: a request's
+blocks are cached at once and never held. The engine model (`engine.py`) instead
+`acquire`s a running request's blocks, which pins them, and `release`s them when it
+ends; only unreferenced blocks are ever evicted, as in vLLM's block pool.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -46,8 +52,14 @@ class PrefixCache:
         self._block_size_tokens = _require_positive_int("block_size_tokens", block_size_tokens)
         self._chars_per_token = _require_positive_int("chars_per_token", chars_per_token)
         self._block_chars = block_size_tokens * chars_per_token
-        # Oldest first; the values are unused, the dict is an ordered set.
-        self._blocks: OrderedDict[int, None] = OrderedDict()
+        # Cached blocks no request holds: the eviction candidates, oldest first. The
+        # values are unused, the dict is an ordered set.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        # Cached blocks running requests hold, with how many hold each.
+        self._referenced: dict[int, int] = {}
+        # Unhashed blocks running requests hold: a prompt's partial last block and the
+        # room for its output. Never shared, never cached.
+        self._private_blocks = 0
 
     @property
     def capacity_blocks(self) -> int:
@@ -63,10 +75,16 @@ class PrefixCache:
 
     @property
     def blocks_used(self) -> int:
-        return len(self._blocks)
+        """Every block in the cache, held or not."""
+        return len(self._evictable) + self.blocks_referenced
+
+    @property
+    def blocks_referenced(self) -> int:
+        """Blocks held by running requests; vLLM's KV usage counts only these."""
+        return len(self._referenced) + self._private_blocks
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return self.blocks_used
 
     def query_tokens(self, text: str) -> int:
         """Approximate token count of `text` (a partial token counts as one)."""
@@ -87,22 +105,68 @@ class PrefixCache:
     def lookup_and_insert(self, text: str) -> CacheResult:
         """Count the cached leading blocks of `text`, then cache all its full blocks."""
         hashes = self.block_hashes(text)
-        hit_blocks = 0
-        for block_hash in hashes:
-            if block_hash not in self._blocks:
-                break
-            hit_blocks += 1
+        hit_blocks = self.cached_prefix_blocks(hashes)
 
         # Touch the tail first so the head ends up most recent: eviction then
         # takes a prompt's deepest blocks first and never strands a child
         # block whose parent is gone (vLLM frees blocks in that order too).
         for block_hash in reversed(hashes):
-            self._blocks[block_hash] = None
-            self._blocks.move_to_end(block_hash)
-        while len(self._blocks) > self._capacity_blocks:
-            self._blocks.popitem(last=False)
+            if block_hash not in self._referenced:
+                self._evictable[block_hash] = None
+                self._evictable.move_to_end(block_hash)
+        self._evict_to_capacity()
 
         return CacheResult(
             query_tokens=self.query_tokens(text),
             hit_tokens=hit_blocks * self._block_size_tokens,
         )
+
+    def cached_prefix_blocks(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of `hashes` are cached; changes nothing."""
+        count = 0
+        for block_hash in hashes:
+            if block_hash not in self._evictable and block_hash not in self._referenced:
+                break
+            count += 1
+        return count
+
+    def acquire(self, hashes: Sequence[int], private_blocks: int) -> bool:
+        """Hold the blocks `hashes` (cached or new) plus `private_blocks` unshared ones.
+
+        Returns False, changing nothing, when they cannot fit even after evicting every
+        unreferenced block. New hashed blocks become visible to later lookups at once,
+        as vLLM V1 registers a step's blocks when it schedules them.
+        """
+        newly_held = {h for h in hashes if h not in self._referenced}
+        held_after = self.blocks_referenced + len(newly_held) + private_blocks
+        if private_blocks < 0 or held_after > self._capacity_blocks:
+            return False
+        for block_hash in hashes:
+            self._evictable.pop(block_hash, None)
+            self._referenced[block_hash] = self._referenced.get(block_hash, 0) + 1
+        self._private_blocks += private_blocks
+        self._evict_to_capacity()
+        return True
+
+    def release(self, hashes: Sequence[int], private_blocks: int) -> None:
+        """Drop one hold on `hashes` and free `private_blocks`; the hashed blocks stay cached."""
+        self._private_blocks -= private_blocks
+        # Tail first, so the prompt's head is the most recent and is evicted last.
+        for block_hash in reversed(hashes):
+            holders = self._referenced[block_hash] - 1
+            if holders:
+                self._referenced[block_hash] = holders
+            else:
+                del self._referenced[block_hash]
+                self._evictable[block_hash] = None
+
+    def clear_unreferenced(self) -> int:
+        """Forget every block no request holds (vLLM's reset_prefix_cache); returns how many."""
+        dropped = len(self._evictable)
+        self._evictable.clear()
+        return dropped
+
+    def _evict_to_capacity(self) -> None:
+        # Bounded: each pass removes one evictable block.
+        while self.blocks_used > self._capacity_blocks and self._evictable:
+            self._evictable.popitem(last=False)

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from extproc.sim.cache import CacheResult
 
 # Every simulated request ends by hitting its max_tokens limit.
 FINISHED_REASON = "length"
+
+# vLLM's own buckets for vllm:time_to_first_token_seconds.
+TTFT_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
 
 
 class SimMetrics:
@@ -71,8 +77,20 @@ class SimMetrics:
             [*labels, "finished_reason"],
             registry=self.registry,
         ).labels(model_name=model_name, finished_reason=FINISHED_REASON)
-        # Export the waiting gauge at 0 until there is a queueing model.
+        self._time_to_first_token = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token, in seconds.",
+            labels,
+            buckets=TTFT_BUCKETS_S,
+            registry=self.registry,
+        ).labels(model_name=model_name)
+        # Fixed timing has no queue: waiting stays 0 unless an engine is followed.
         self._waiting.set(0)
+
+    def follow_engine(self, running: Callable[[], float], waiting: Callable[[], float]) -> None:
+        """Read the running and waiting gauges from an engine model at scrape time."""
+        self._running.set_function(running)
+        self._waiting.set_function(waiting)
 
     def request_started(self) -> None:
         self._running.inc()
@@ -87,6 +105,9 @@ class SimMetrics:
 
     def tokens_generated(self, count: int) -> None:
         self._generation_tokens.inc(count)
+
+    def first_token(self, seconds: float) -> None:
+        self._time_to_first_token.observe(seconds)
 
     def request_succeeded(self) -> None:
         self._request_success.inc()

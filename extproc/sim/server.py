@@ -6,9 +6,8 @@ import asyncio
 import contextlib
 import hashlib
 import json
-import math
 import signal
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from typing import Any
 
 import structlog
@@ -17,7 +16,15 @@ from aiohttp.typedefs import Handler
 from prometheus_client.exposition import choose_encoder
 
 from extproc.sim.cache import PrefixCache
+from extproc.sim.engine import Engine
+from extproc.sim.generation import (
+    EngineDriver,
+    FixedGeneration,
+    Generation,
+    log_driver_exit,
+)
 from extproc.sim.metrics import SimMetrics
+from extproc.sim.options import DEFAULT_CAPACITY_BLOCKS, SimOptions
 from extproc.sim.prompt import PromptKind
 from extproc.sim.request import CompletionRequest, parse_request
 from extproc.sim.responses import (
@@ -43,44 +50,7 @@ BODY_SHA256_HEADER = "x-request-body-sha256"
 
 log = structlog.get_logger(__name__)
 
-
-@dataclass(frozen=True)
-class SimOptions:
-    """Behaviour shared by every simulated instance."""
-
-    model: str = "sim-model"
-    capacity_blocks: int = 4096
-    block_size_tokens: int = 16
-    chars_per_token: int = 4
-    ttft_ms: float = 0.0
-    itl_ms: float = 0.0
-    default_max_tokens: int = 16
-    max_tokens_cap: int = 4096
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
-            raise ValueError(f"model must be a non-empty string, got {self.model!r}")
-        for name in (
-            "capacity_blocks",
-            "block_size_tokens",
-            "chars_per_token",
-            "default_max_tokens",
-            "max_tokens_cap",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("ttft_ms", "itl_ms"):
-            value = getattr(self, name)
-            valid = isinstance(value, int | float) and not isinstance(value, bool)
-            if not valid or not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-
-
-async def _pause(delay_ms: float) -> None:
-    # Skipping zero delays keeps the fast path free of scheduler round trips.
-    if delay_ms > 0:
-        await asyncio.sleep(delay_ms / 1000)
+__all__ = ["DEFAULT_CAPACITY_BLOCKS", "SimOptions", "build_app", "run", "serve"]
 
 
 def _json_response(payload: dict[str, Any], status: int = 200) -> web.Response:
@@ -99,12 +69,32 @@ class _Instance:
     def __init__(self, name: str, options: SimOptions) -> None:
         self.name = name
         self.options = options
+        assert options.capacity_blocks is not None  # resolved by SimOptions
         self.cache = PrefixCache(
             options.capacity_blocks, options.block_size_tokens, options.chars_per_token
         )
-        self.metrics = SimMetrics(
-            options.model, lambda: self.cache.blocks_used / self.cache.capacity_blocks
-        )
+        self.driver: EngineDriver | None = None
+        if options.timing == "model":
+            engine = Engine(options.engine_config(), self.cache)
+            self.metrics = SimMetrics(options.model, engine.kv_usage)
+            self.driver = EngineDriver(engine, self.metrics)
+        else:
+            # Without requests that hold blocks, every cached block counts as used.
+            self.metrics = SimMetrics(
+                options.model, lambda: self.cache.blocks_used / self.cache.capacity_blocks
+            )
+
+    async def run_engine(self, app: web.Application) -> AsyncIterator[None]:
+        """cleanup_ctx: the engine's step loop lives as long as the app."""
+        if self.driver is None:
+            yield
+            return
+        task = asyncio.create_task(self.driver.run(), name=f"sim-engine {self.name}")
+        task.add_done_callback(log_driver_exit)
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
     @web.middleware
     async def read_post_body(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -145,34 +135,60 @@ class _Instance:
         except ValueError as exc:
             return _bad_request(str(exc))
 
-        self.metrics.request_started()
+        arrived = asyncio.get_running_loop().time()
         try:
-            cached = self.cache.lookup_and_insert(parsed.prompt)
-            self.metrics.prompt_processed(cached)
+            generation = self._start(parsed)
+        except ValueError as exc:  # the engine model: a request that can never fit
+            return _bad_request(str(exc))
+        try:
             envelope = Envelope.new(kind, self.options.model)
-            usage_body = usage(cached.query_tokens, parsed.max_tokens, cached.hit_tokens)
             if parsed.stream:
-                return await self._stream(request, envelope, parsed, usage_body)
-            return await self._respond_whole(envelope, parsed, usage_body)
+                return await self._stream(request, envelope, parsed, generation, arrived)
+            return await self._respond_whole(envelope, parsed, generation, arrived)
         finally:
             # Also runs when a client abort cancels the handler.
-            self.metrics.request_ended()
+            generation.close()
+
+    def _start(self, parsed: CompletionRequest) -> Generation:
+        if self.driver is not None:
+            return self.driver.start(parsed.prompt, parsed.max_tokens)
+        return FixedGeneration(
+            self.cache,
+            self.metrics,
+            parsed.prompt,
+            parsed.max_tokens,
+            ttft_s=self.options.scaled_s(self.options.ttft_ms),
+            itl_s=self.options.scaled_s(self.options.itl_ms),
+        )
+
+    def _first_token_out(self, arrived: float) -> None:
+        self.metrics.first_token(asyncio.get_running_loop().time() - arrived)
+
+    def _usage(self, parsed: CompletionRequest, generation: Generation) -> dict[str, Any]:
+        cached = generation.cached
+        return usage(cached.query_tokens, parsed.max_tokens, cached.hit_tokens)
 
     async def _respond_whole(
-        self, envelope: Envelope, parsed: CompletionRequest, usage_body: dict[str, Any]
+        self,
+        envelope: Envelope,
+        parsed: CompletionRequest,
+        generation: Generation,
+        arrived: float,
     ) -> web.Response:
-        tokens = filler_tokens(parsed.max_tokens)
-        await _pause(self.options.ttft_ms + self.options.itl_ms * (len(tokens) - 1))
-        self.metrics.tokens_generated(len(tokens))
+        await generation.next_token()
+        self._first_token_out(arrived)
+        await generation.rest()
+        text = "".join(filler_tokens(parsed.max_tokens))
         self.metrics.request_succeeded()
-        return _json_response(full_response(envelope, "".join(tokens), usage_body))
+        return _json_response(full_response(envelope, text, self._usage(parsed, generation)))
 
     async def _stream(
         self,
         request: web.Request,
         envelope: Envelope,
         parsed: CompletionRequest,
-        usage_body: dict[str, Any],
+        generation: Generation,
+        arrived: float,
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Cache-Control": "no-cache"})
         response.content_type = "text/event-stream"
@@ -180,13 +196,15 @@ class _Instance:
         tokens = filler_tokens(parsed.max_tokens)
         try:
             for index, token in enumerate(tokens):
-                await _pause(self.options.ttft_ms if index == 0 else self.options.itl_ms)
+                await generation.next_token()
+                if index == 0:
+                    self._first_token_out(arrived)
                 chunk = token_chunk(
                     envelope, token, first=index == 0, last=index == len(tokens) - 1
                 )
                 await response.write(sse_event(chunk))
-                self.metrics.tokens_generated(1)
             if parsed.include_usage:
+                usage_body = self._usage(parsed, generation)
                 await response.write(sse_event(usage_chunk(envelope, usage_body)))
             await response.write(SSE_DONE)
             await response.write_eof()
@@ -195,6 +213,12 @@ class _Instance:
             return response
         self.metrics.request_succeeded()
         return response
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's dev-mode endpoint: forget every cached block no running request holds."""
+        dropped = self.cache.clear_unreferenced()
+        log.info("sim.prefix_cache_reset", instance=self.name, blocks=dropped)
+        return web.Response(status=200)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -221,8 +245,10 @@ def build_app(name: str, options: SimOptions) -> web.Application:
     instance = _Instance(name, options)
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[instance.read_post_body])
     app.on_response_prepare.append(instance.stamp_headers)
+    app.cleanup_ctx.append(instance.run_engine)
     app.router.add_post("/v1/chat/completions", instance.chat)
     app.router.add_post("/v1/completions", instance.completion)
+    app.router.add_post("/reset_prefix_cache", instance.reset_prefix_cache)
     app.router.add_get("/health", instance.health)
     app.router.add_get("/v1/models", instance.models)
     app.router.add_get("/metrics", instance.prometheus)
@@ -253,7 +279,7 @@ async def serve(
             runners.append(runner)
             await runner.setup()
             await web.TCPSite(runner, host, port).start()
-            log.info("sim.listening", address=name, model=options.model)
+            log.info("sim.listening", address=name, model=options.model, timing=options.timing)
         if ready is not None:
             ready.set()
         await asyncio.Future()  # until cancelled

@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.errors import NoHostsError
-from extproc.picker.decide import Outcome, Strategy, decide
+from extproc.picker.decide import Outcome, Strategy, decide, load_bound
 from extproc.picker.hosts import HostSet
-from extproc.picker.placement import key_digest
+from extproc.picker.placement import key_digest, placement_order
 
 ADDRESSES = [f"127.0.0.{i}:8000" for i in range(1, 40)]
 
@@ -127,3 +127,38 @@ def test_random_uses_every_host_as_rand_varies():
 def test_empty_host_set_is_an_explicit_error():
     with pytest.raises(NoHostsError):
         place(1, HostSet.of([]))
+
+
+@given(
+    digests,
+    host_sets.filter(lambda h: len(h) >= 2),
+    st.data(),
+    st.floats(min_value=1.0, max_value=3.0),
+)
+def test_bounded_load_never_picks_a_host_at_the_bound_while_one_is_under(
+    digest, hosts, data, factor
+):
+    loads = {h.address: data.draw(st.integers(min_value=0, max_value=12)) for h in hosts.hosts}
+    bound = load_bound(hosts, loads, 32, factor)
+    decision = decide(digest, hosts, loads, Strategy.PREFIX_AWARE, 32, 2, 0.5, factor)
+    if any(load < bound for load in loads.values()):
+        assert loads[decision.primary] < bound
+    assert bound >= 2
+
+
+def test_bounded_load_spreads_a_hot_prefix_over_consistent_hosts():
+    hosts = HostSet.of(ADDRESSES[:7])
+    hot = key_digest(b"the hot document", None)
+    loads: dict[str, int] = {}
+    placed = []
+    for _ in range(28):  # 28 concurrent requests for one prefix
+        decision = decide(hot, hosts, loads, Strategy.PREFIX_AWARE, 32, 2, 0.5, 1.5)
+        loads[decision.primary] = loads.get(decision.primary, 0) + 1
+        placed.append(decision.primary)
+    # Without the bound all 28 would sit on one host (threshold 32).
+    assert max(loads.values()) <= 8
+    # They spill along the key's own order, so the same few hosts warm for it.
+    order = [h.address for h in placement_order(hot, hosts)]
+    assert set(placed) == set(order[: len(set(placed))])
+    unbounded = decide(hot, hosts, {order[0]: 27}, Strategy.PREFIX_AWARE, 32, 2, 0.5)
+    assert unbounded.primary == order[0]

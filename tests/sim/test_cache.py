@@ -158,3 +158,54 @@ def test_repeated_prompt_hits_all_its_full_blocks_when_they_fit(
 
     expected_blocks = min(full_blocks, capacity)
     assert again.hit_tokens == expected_blocks * block_tokens
+
+
+def test_held_blocks_survive_pressure_and_a_full_cache_refuses_more() -> None:
+    cache = char_cache(capacity=4)
+    held = cache.block_hashes("ab")
+    assert cache.acquire(held, private_blocks=1)
+    cache.lookup_and_insert("x")  # fills the cache: 2 held + 1 private + 1 evictable
+    assert cache.blocks_used == 4
+
+    # Two more held blocks would need room that only held blocks occupy.
+    assert not cache.acquire(cache.block_hashes("cd"), private_blocks=0)
+    assert cache.blocks_referenced == 3
+    # One more fits by evicting the unreferenced "x".
+    assert cache.acquire(cache.block_hashes("c"), private_blocks=0)
+    assert cache.cached_prefix_blocks(cache.block_hashes("x")) == 0
+    assert cache.cached_prefix_blocks(held) == 2
+
+
+def test_released_blocks_stay_cached_until_evicted_head_last() -> None:
+    cache = char_cache(capacity=3)
+    hashes = cache.block_hashes("abc")
+    assert cache.acquire(hashes, private_blocks=0)
+    cache.release(hashes, private_blocks=0)
+    assert (cache.blocks_used, cache.blocks_referenced) == (3, 0)
+    assert cache.lookup_and_insert("abc").hit_tokens == 3
+    assert cache.acquire(cache.block_hashes("z"), private_blocks=0)
+    assert cache.lookup_and_insert("abc").hit_tokens == 2  # the tail went first
+
+
+def test_shared_blocks_are_held_once_and_freed_by_the_last_holder() -> None:
+    cache = char_cache(capacity=8)
+    hashes = cache.block_hashes("ab")
+    assert cache.acquire(hashes, private_blocks=1)
+    assert cache.acquire(hashes, private_blocks=1)
+    assert cache.blocks_referenced == 4
+    cache.release(hashes, private_blocks=1)
+    assert cache.clear_unreferenced() == 0  # still held by the other request
+    cache.release(hashes, private_blocks=1)
+    assert cache.blocks_referenced == 0
+    assert cache.clear_unreferenced() == 2
+    assert cache.blocks_used == 0
+
+
+def test_reset_keeps_held_blocks_and_forgets_the_rest() -> None:
+    cache = char_cache(capacity=8)
+    cache.lookup_and_insert("xyz")
+    held = cache.block_hashes("ab")
+    assert cache.acquire(held, private_blocks=0)
+    assert cache.clear_unreferenced() == 3
+    assert cache.lookup_and_insert("xyz").hit_tokens == 0
+    assert cache.cached_prefix_blocks(held) == 2

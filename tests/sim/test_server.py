@@ -465,3 +465,146 @@ def test_run_stops_cleanly_on_sigterm() -> None:
     assert proc.returncode == 0, output
     assert f"{HOST}:{port}".encode() in output
     assert b"sim.listening" in output
+
+
+# --- timing "model": the engine model of extproc/sim/engine.py ---
+
+PROMPT_8K_TOKENS = 8000
+
+
+async def streamed_ttft(session: aiohttp.ClientSession, base: str, prompt: str) -> float:
+    """Seconds from sending a streamed completion to reading its first token."""
+    body = {"prompt": prompt, "max_tokens": 2, "stream": True}
+    began = time.monotonic()
+    async with session.post(f"{base}/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        await resp.content.readuntil(b"\n\n")
+        ttft = time.monotonic() - began
+        await resp.read()
+    return ttft
+
+
+@pytest.mark.parametrize("time_scale", [1.0, 0.25])
+async def test_model_timing_streams_first_token_at_the_modelled_ttft(
+    start: Start, session: aiohttp.ClientSession, time_scale: float
+) -> None:
+    options = SimOptions(timing="model", time_scale=time_scale)
+    config = options.engine_config()
+    overhead_ms = config.request_overhead_ms + config.step_overhead_ms
+    uncached_s = (overhead_ms + config.prefill_ms_per_token * PROMPT_8K_TOKENS) / 1000
+    # Cached: one forward pass for the recomputed last block, at the decode floor.
+    cached_s = (overhead_ms + config.decode_ms_per_token) / 1000
+    prompt = "q" * (PROMPT_8K_TOKENS * 4)
+    # Loopback HTTP and a busy test machine add latency; they never remove it.
+    slack_s = 0.06
+    async with start(timing="model", time_scale=time_scale) as base:
+        first = await streamed_ttft(session, base, prompt)
+        second = await streamed_ttft(session, base, prompt)
+        assert await metric(session, base, "vllm:time_to_first_token_seconds_count") == 2
+        assert await metric(session, base, "vllm:prefix_cache_hits_total") == 8000 - 16
+    assert uncached_s * time_scale * 0.98 <= first <= uncached_s * time_scale + slack_s
+    assert cached_s * time_scale * 0.98 <= second <= cached_s * time_scale + slack_s
+
+
+@pytest.mark.parametrize("timing", ["fixed", "model"])
+async def test_reset_prefix_cache_zeroes_later_hits(
+    start: Start, session: aiohttp.ClientSession, timing: str
+) -> None:
+    body = {"prompt": "r" * (3 * BLOCK_CHARS + 5), "max_tokens": 1}
+
+    async def cached_tokens(base: str) -> int:
+        async with session.post(f"{base}/v1/completions", json=body) as resp:
+            return (await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    async with start(timing=timing, time_scale=0.01) as base:
+        assert await cached_tokens(base) == 0
+        assert await cached_tokens(base) == 48
+        async with session.post(f"{base}/reset_prefix_cache") as resp:
+            assert resp.status == 200
+        hits = await metric(session, base, "vllm:prefix_cache_hits_total")
+        assert await cached_tokens(base) == 0
+        assert await metric(session, base, "vllm:prefix_cache_hits_total") == hits == 48
+
+
+async def test_model_timing_queues_beyond_max_num_seqs_and_aborts_free_the_slot(
+    start: Start, session: aiohttp.ClientSession
+) -> None:
+    async with start(timing="model", max_num_seqs=1, time_scale=0.1) as base:
+
+        async def long_stream(letter: str) -> None:
+            body = {"prompt": letter * 640, "max_tokens": 4000, "stream": True}
+            async with session.post(f"{base}/v1/completions", json=body) as resp:
+                await resp.read()
+
+        first = asyncio.create_task(long_stream("a"))
+        await wait_for_metric(session, base, "vllm:num_requests_running", 1)
+        assert await metric(session, base, "vllm:kv_cache_usage_perc") > 0
+        second = asyncio.create_task(long_stream("b"))
+        await wait_for_metric(session, base, "vllm:num_requests_waiting", 1)
+
+        first.cancel()  # the client goes away: its slot and blocks go to the next
+        await wait_for_metric(session, base, "vllm:num_requests_waiting", 0)
+        assert await metric(session, base, "vllm:num_requests_running") == 1
+        second.cancel()
+        await wait_for_metric(session, base, "vllm:num_requests_running", 0)
+        assert await metric(session, base, "vllm:kv_cache_usage_perc") == 0
+        assert await metric(session, base, "vllm:request_success_total") == 0
+        for task in (first, second):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def test_model_timing_whole_response_and_counters(
+    start: Start, session: aiohttp.ClientSession
+) -> None:
+    body = {"prompt": "w" * (4 * BLOCK_CHARS), "max_tokens": 3}  # exactly four blocks
+    async with start(timing="model", time_scale=0.01) as base:
+        cached = []
+        for _ in range(3):
+            async with session.post(f"{base}/v1/completions", json=body) as resp:
+                whole = await resp.json()
+            assert len(whole["choices"][0]["text"].split()) == 3
+            cached.append(whole["usage"]["prompt_tokens_details"]["cached_tokens"])
+        # vLLM computes a prompt's last token, so a fully cached prompt hits all but
+        # its last block.
+        assert cached == [0, 48, 48]
+        assert await metric(session, base, "vllm:prefix_cache_hits_total") == 96
+        assert await metric(session, base, "vllm:prefix_cache_queries_total") == 3 * 64
+        assert await metric(session, base, "vllm:prompt_tokens_total") == 3 * 64
+        assert await metric(session, base, "vllm:generation_tokens_total") == 9
+        assert await metric(session, base, "vllm:request_success_total") == 3
+        assert await metric(session, base, "vllm:num_requests_running") == 0
+        assert await metric(session, base, "vllm:kv_cache_usage_perc") == 0
+
+
+async def test_model_timing_refuses_a_request_beyond_the_kv_cache(
+    start: Start, session: aiohttp.ClientSession
+) -> None:
+    body = {"prompt": "x" * 400, "max_tokens": 100}
+    async with start(timing="model", capacity_blocks=8) as base:
+        async with session.post(f"{base}/v1/completions", json=body) as resp:
+            assert resp.status == 400
+            assert "KV blocks" in (await resp.json())["error"]["message"]
+        assert await metric(session, base, "vllm:prefix_cache_queries_total") == 0
+
+
+def test_capacity_default_follows_the_timing() -> None:
+    assert SimOptions().capacity_blocks == 4096
+    assert SimOptions(timing="model").capacity_blocks == 10_000
+    assert SimOptions(timing="model", capacity_blocks=7).capacity_blocks == 7
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"timing": "magic"}, "timing"),
+        ({"timing": "model", "ttft_ms": 5.0}, "ttft_ms"),
+        ({"time_scale": -0.5}, "time_scale"),
+        ({"prefill_ms_per_token": float("inf")}, "prefill_ms_per_token"),
+        ({"max_batched_tokens": 0}, "max_batched_tokens"),
+        ({"max_num_seqs": 1.5}, "max_num_seqs"),
+    ],
+)
+def test_model_options_reject_bad_values_by_field(overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SimOptions(**overrides)

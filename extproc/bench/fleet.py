@@ -1,0 +1,404 @@
+"""The fleet benchmark: one workload, one fleet of simulated vLLM instances, every routing
+path side by side in one run.
+
+Paths: our Envoy + router with RANDOM, LEAST_OUTSTANDING_REQUESTS and PREFIX_AWARE (switched
+by hot reload, no restart); Envoy's own ring_hash on a session header (no ext_proc); and,
+when installed (`pip install envoy-prefix-router[bench]`), the peers vllm-router
+(cache_aware, consistent_hash) and smg (cache_aware). Before each path every instance's
+prefix cache is reset, so each path starts cold.
+
+Time is compressed by ``time_scale``: the simulators' modelled durations and the arrival
+times are both multiplied by it, and measured times are divided by it, so results are in
+model time. Fixed costs that do not scale (Envoy, the router, Python) are inflated by
+1/time_scale in the results; the report says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import httpx
+import structlog
+
+from extproc.bench import report
+from extproc.bench.loadgen import RequestOutcome, run_open_loop
+from extproc.bench.workloads import WorkloadSpec, describe, generate
+from extproc.control.loadfeed import parse_vllm_metrics
+from extproc.stack.local import LocalStack, StackSpec, start_envoy
+from extproc.stack.processes import ManagedProcess, free_port, free_ports, http_ok, wait_until
+
+log = structlog.get_logger("bench")
+
+OUR_STRATEGIES = ("RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE")
+RING_HASH = "envoy-ring-hash"
+PEERS = {
+    "vllm-router-cache-aware": ("vllm-router", "cache_aware"),
+    "vllm-router-consistent-hash": ("vllm-router", "consistent_hash"),
+    "smg-cache-aware": ("smg", "cache_aware"),
+}
+SESSION_HEADER = "x-session-id"
+
+
+@dataclass(frozen=True)
+class FleetBenchOptions:
+    workload: WorkloadSpec
+    instances: int = 7
+    time_scale: float = 1.0
+    # About 7.8 documents of 8k tokens per instance: the fleet holds the working set only
+    # if placement keeps each document on few instances (as in the reference setup, where
+    # RANDOM's hit rate was ~25%).
+    sim_args: tuple[str, ...] = ("--capacity-blocks", "4000")
+    concurrency_threshold: int = 32
+    prefix_length: int = 8192
+    paths: tuple[str, ...] = (*OUR_STRATEGIES, RING_HASH, *PEERS)
+    out_dir: Path | None = Path("docs/benchmarks")
+    command: str = ""
+
+
+@dataclass
+class PathResult:
+    path: str
+    outcomes: list[RequestOutcome]
+    wall_s: float
+    time_scale: float
+    hit_rate: float
+    overflow_rate: float | None = None
+    skipped: str | None = None
+    shares: dict[str, float] = field(default_factory=dict)
+
+    def ttfts_ms(self) -> list[float]:
+        return sorted(o.ttft_s * 1000 / self.time_scale for o in self.outcomes if o.ok and o.ttft_s)
+
+    def percentile(self, q: float) -> float:
+        values = self.ttfts_ms()
+        if not values:
+            return float("nan")
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+    @property
+    def failures(self) -> int:
+        return sum(not o.ok for o in self.outcomes)
+
+    @property
+    def requests_per_s(self) -> float:
+        done = sum(o.ok for o in self.outcomes)
+        return done / (self.wall_s / self.time_scale) if self.wall_s else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        tokens = sum(o.output_tokens for o in self.outcomes if o.ok)
+        return tokens / (self.wall_s / self.time_scale) if self.wall_s else 0.0
+
+
+def sim_counters(addresses: Sequence[str]) -> tuple[float, float]:
+    queries = hits = 0.0
+    for address in addresses:
+        load = parse_vllm_metrics(httpx.get(f"http://{address}/metrics").text, 0.0)
+        queries += load.prefix_cache_queries
+        hits += load.prefix_cache_hits
+    return queries, hits
+
+
+def reset_caches(addresses: Sequence[str]) -> None:
+    """Wait for the instances to go idle, then empty their prefix caches."""
+
+    def idle() -> bool:
+        loads = [parse_vllm_metrics(httpx.get(f"http://{a}/metrics").text, 0.0) for a in addresses]
+        return all(load.running == 0 and load.waiting == 0 for load in loads)
+
+    wait_until(idle, 120, "the simulators to go idle")
+    for address in addresses:
+        httpx.post(f"http://{address}/reset_prefix_cache").raise_for_status()
+
+
+def _router_counter(stack: LocalStack, name: str) -> float:
+    text = httpx.get(stack.router_metrics_url).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
+
+
+def _answers_chat(url: str) -> bool:
+    body = {"model": "sim-model", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class Fleet:
+    """The simulated instances (one process, one aiohttp app each) and our stack."""
+
+    def __init__(self, options: FleetBenchOptions, work: Path) -> None:
+        self.options = options
+        self.work = work
+        hosts = [f"127.0.0.{31 + i}" for i in range(options.instances)]
+        port = free_port(hosts[0])
+        self.addresses = [f"{h}:{port}" for h in hosts]
+        self.sim: ManagedProcess | None = None
+        self.stack: LocalStack | None = None
+        self.ring_hash_url: str | None = None
+        self._extra: list[ManagedProcess] = []
+
+    def start(self) -> None:
+        args = ["sim", "--timing", "model", "--time-scale", str(self.options.time_scale)]
+        for address in self.addresses:
+            args += ["--address", address]
+
+        self.sim = ManagedProcess(
+            "sims",
+            [sys.executable, "-m", "extproc", *args, *self.options.sim_args],
+            self.work / "sims.log",
+        ).start()
+        for address in self.addresses:
+            wait_until(lambda a=address: http_ok(f"http://{a}/health"), 60, address, self.sim)
+        backends = tuple((a.split(":")[0], int(a.split(":")[1])) for a in self.addresses)
+        spec = StackSpec.ephemeral(
+            0,
+            external_backends=backends,
+            router_settings={
+                "concurrency_threshold": self.options.concurrency_threshold,
+                "prefix_length": self.options.prefix_length,
+            },
+            upstream_host_header=False,
+            work_dir=self.work / "stack",
+        )
+        self.stack = LocalStack(spec).start()
+        listen, admin = free_ports(2)
+        ring_hash = replace(
+            self.stack.bootstrap_params(),
+            ext_proc=False,
+            ring_hash_header=SESSION_HEADER,
+            listen=("127.0.0.1", listen),
+            admin=("127.0.0.1", admin),
+        )
+        self._extra.append(start_envoy("envoy-ring-hash", ring_hash, self.work / "stack"))
+        wait_until(
+            lambda: self.stack is not None and self.stack.envoy_hosts() == set(self.addresses),
+            30,
+            "the fleet in the baseline Envoy",
+        )
+        self.ring_hash_url = f"http://127.0.0.1:{listen}"
+
+    def start_peer(self, name: str) -> str | None:
+        binary, policy = PEERS[name]
+        # Installed beside this Python (the bench extra), or anywhere on PATH.
+        beside = Path(sys.executable).parent / binary
+        path = str(beside) if beside.exists() else shutil.which(binary)
+        if path is None:
+            return None
+        port, metrics_port = free_ports(2)
+        argv = [path, *(["launch"] if binary == "smg" else [])]
+        argv += [
+            "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *[f"http://{a}" for a in self.addresses],
+            "--policy", policy,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+        ]  # fmt: skip
+        process = ManagedProcess(name, argv, self.work / f"{name}.log").start()
+        self._extra.append(process)
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _answers_chat(url), 60, name, process)
+        return url
+
+    def stop(self) -> None:
+        for process in reversed(self._extra):
+            process.stop()
+        if self.stack is not None:
+            self.stack.stop()
+        if self.sim is not None:
+            self.sim.stop()
+
+
+def run_path(fleet: Fleet, path: str, requests: list) -> PathResult:  # type: ignore[type-arg]
+    options = fleet.options
+    stack = fleet.stack
+    assert stack is not None
+    url: str | None
+    decisions_before = overflows_before = 0.0
+    if path in OUR_STRATEGIES:
+        applied = 'prefix_router_config_reloads_total{result="applied"}'
+        before = stack.router_metric(applied) or 0
+        stack.write_router_config(routing_strategy=path)
+        wait_until(lambda: (stack.router_metric(applied) or 0) > before, 10, path)
+        url = stack.url
+        decisions_before = _router_counter(stack, "prefix_router_decisions_total")
+        overflows_before = _router_counter(stack, "prefix_router_overflows_total")
+    elif path == RING_HASH:
+        url = fleet.ring_hash_url
+    else:
+        url = fleet.start_peer(path)
+        if url is None:
+            return PathResult(path, [], 0.0, options.time_scale, 0.0, skipped="not installed")
+    reset_caches(fleet.addresses)
+    queries_before, hits_before = sim_counters(fleet.addresses)
+    outcomes, wall = asyncio.run(
+        run_open_loop(f"{url}/v1/chat/completions", requests, options.time_scale)
+    )
+    queries, hits = sim_counters(fleet.addresses)
+    result = PathResult(
+        path,
+        outcomes,
+        wall,
+        options.time_scale,
+        (hits - hits_before) / max(1.0, queries - queries_before),
+    )
+    served = Counter(o.served_by for o in outcomes if o.ok)
+    total = sum(served.values()) or 1
+    result.shares = {a: served.get(a, 0) / total for a in fleet.addresses}
+    if path in OUR_STRATEGIES:
+        decisions = _router_counter(stack, "prefix_router_decisions_total") - decisions_before
+        overflows = _router_counter(stack, "prefix_router_overflows_total") - overflows_before
+        result.overflow_rate = overflows / decisions if decisions else 0.0
+    log.info(
+        "bench.path",
+        path=path,
+        p50_ms=round(result.percentile(0.5), 1),
+        hit_rate=round(result.hit_rate, 3),
+        failures=result.failures,
+    )
+    return result
+
+
+def run(options: FleetBenchOptions) -> list[PathResult]:
+    requests = generate(options.workload)
+    with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
+        fleet = Fleet(options, Path(tmp))
+        try:
+            fleet.start()
+            results = [run_path(fleet, path, requests) for path in options.paths]
+        finally:
+            fleet.stop()
+    if options.out_dir is not None:
+        write_report(options, results, len(requests))
+    return results
+
+
+def _ratio(value: float, base: float) -> str:
+    if not base or value != value or base != base:
+        return "n/a"
+    return f"{(value / base - 1) * 100:+.0f}%"
+
+
+def write_report(options: FleetBenchOptions, results: list[PathResult], count: int) -> Path:
+    assert options.out_dir is not None
+    options.out_dir.mkdir(parents=True, exist_ok=True)
+    name = options.workload.name
+    base = next((r for r in results if r.path == "RANDOM" and not r.skipped), None)
+    rows = []
+    for r in results:
+        if r.skipped:
+            rows.append([r.path, f"skipped: {r.skipped}", *[""] * 11])
+            continue
+        shares = [s for s in r.shares.values()]
+        rows.append(
+            [
+                r.path,
+                f"{r.percentile(0.5):.0f}",
+                f"{r.percentile(0.9):.0f}",
+                f"{r.percentile(0.99):.0f}",
+                f"{r.requests_per_s:.2f}",
+                f"{r.tokens_per_s:.0f}",
+                f"{r.hit_rate:.1%}",
+                f"{min(shares):.1%} to {max(shares):.1%}" if shares else "",
+                "" if r.overflow_rate is None else f"{r.overflow_rate:.1%}",
+                r.failures,
+                _ratio(r.percentile(0.5), base.percentile(0.5)) if base else "",
+                _ratio(r.percentile(0.9), base.percentile(0.9)) if base else "",
+                _ratio(r.requests_per_s, base.requests_per_s) if base else "",
+            ]
+        )
+    table = report.markdown_table(
+        ["path", "TTFT p50 (ms)", "p90", "p99", "req/s", "output tok/s", "hit rate",
+         "per-instance share", "overflow", "failed", "p50 vs RANDOM", "p90 vs RANDOM",
+         "req/s vs RANDOM"],
+        rows,
+    )  # fmt: skip
+    text = f"""# Fleet benchmark: {name}
+
+{count} requests of the `{name}` workload, open loop, sent through each routing path in
+turn to the same {options.instances} simulated vLLM instances (prefix caches reset before
+each path). Times are model time (see below).
+
+{table}
+
+![TTFT CDF]({name}-ttft.png)
+![hit rate and share]({name}-share.png)
+
+## Workload
+
+{describe(options.workload)}
+
+## How this was measured
+
+- Simulator: `prefix-router sim --timing model`, vLLM's timing shape (prefill cost per
+  uncached token, continuous batching, block-level LRU prefix cache); defaults calibrated
+  to ~270 ms TTFT for an uncached 8k-token prompt and ~60 ms cached.
+- Time compression: time_scale = {options.time_scale}. Simulated durations and arrival times
+  are multiplied by it and measured times divided by it. Costs that do not scale (Envoy,
+  router, Python: a few ms) appear {1 / options.time_scale:g} times larger than they are.
+- Router: prefix_length {options.prefix_length}, concurrency_threshold
+  {options.concurrency_threshold}; strategies switched by editing the config file.
+- Envoy ring_hash: no ext_proc; consistent hashing on the `{SESSION_HEADER}` header
+  (the document, conversation or tenant id), which a client must supply.
+- Peers: vllm-router and smg from PyPI (`pip install .[bench]`), pointed at the same
+  instances; a path marked skipped was not installed.
+
+```
+{options.command}
+```
+
+- Machine: {report.machine_description()}
+"""
+    path = options.out_dir / f"{name}.md"
+    path.write_text(text)
+    _plot(results, options, name)
+    return path
+
+
+def _plot(results: list[PathResult], options: FleetBenchOptions, name: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [r for r in results if not r.skipped and r.ttfts_ms()]
+    figure, axis = plt.subplots(figsize=(8, 5))
+    for r in ran:
+        values = r.ttfts_ms()
+        axis.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=r.path)
+    axis.set_xscale("log")
+    axis.set_xlabel("TTFT (ms, model time, log scale)")
+    axis.set_ylabel("fraction of requests")
+    axis.set_title(f"{name}: TTFT CDF by routing path")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    assert options.out_dir is not None
+    figure.savefig(options.out_dir / f"{name}-ttft.png", dpi=100)
+    plt.close(figure)
+
+    figure, (hits, shares) = plt.subplots(1, 2, figsize=(12, 4.5))
+    hits.bar([r.path for r in ran], [r.hit_rate for r in ran])
+    hits.set_ylabel("prefix-cache hit rate")
+    hits.tick_params(axis="x", rotation=60, labelsize=7)
+    width = 0.8 / max(1, len(ran))
+    for index, r in enumerate(ran):
+        xs = [i + index * width for i in range(len(r.shares))]
+        shares.bar(xs, list(r.shares.values()), width, label=r.path)
+    shares.axhline(1 / options.instances, color="black", linestyle="--")
+    shares.set_xlabel("instance")
+    shares.set_ylabel("share of requests")
+    shares.legend(fontsize=6)
+    figure.suptitle(f"{name}: hit rate and per-instance share")
+    figure.tight_layout()
+    figure.savefig(options.out_dir / f"{name}-share.png", dpi=100)
+    plt.close(figure)

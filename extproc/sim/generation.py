@@ -1,0 +1,174 @@
+"""When each output token of a simulated request is due: fixed delays, or the engine model.
+
+A handler starts a `Generation`, awaits `next_token()` per streamed token (or `next_token()`
+then `rest()` for a whole response), reads `cached` once the first token is out, and always
+calls `close()`, which also runs when a client abort cancels the handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Protocol
+
+import structlog
+
+from extproc.sim.cache import CacheResult, PrefixCache
+from extproc.sim.engine import Engine, EngineRequest
+from extproc.sim.metrics import SimMetrics
+
+log = structlog.get_logger(__name__)
+
+
+class Generation(Protocol):
+    @property
+    def cached(self) -> CacheResult:
+        """Prompt and cache-hit tokens; final once the first token is out."""
+        ...
+
+    async def next_token(self) -> None: ...
+
+    async def rest(self) -> None:
+        """Wait for every token not yet waited for."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def _cached(request: EngineRequest) -> CacheResult:
+    return CacheResult(request.prompt_tokens, request.hit_tokens)
+
+
+async def _pause(delay_s: float) -> None:
+    # Skipping zero delays keeps the fast path free of scheduler round trips.
+    if delay_s > 0:
+        await asyncio.sleep(delay_s)
+
+
+class FixedGeneration:
+    """The first token after ttft, each further one after itl; the cache is hit at once."""
+
+    def __init__(
+        self,
+        cache: PrefixCache,
+        metrics: SimMetrics,
+        prompt: str,
+        max_tokens: int,
+        ttft_s: float,
+        itl_s: float,
+    ) -> None:
+        self._metrics = metrics
+        self._left = max_tokens
+        self._started = False
+        self._ttft_s = ttft_s
+        self._itl_s = itl_s
+        metrics.request_started()
+        self.cached = cache.lookup_and_insert(prompt)
+        metrics.prompt_processed(self.cached)
+
+    async def next_token(self) -> None:
+        await _pause(self._itl_s if self._started else self._ttft_s)
+        self._started = True
+        self._left -= 1
+        self._metrics.tokens_generated(1)
+
+    async def rest(self) -> None:
+        left, self._left = self._left, 0
+        # One sleep for the lot, as fixed timing always did.
+        await _pause(self._itl_s * left)
+        self._metrics.tokens_generated(left)
+
+    def close(self) -> None:
+        self._metrics.request_ended()
+
+
+class ModelledGeneration:
+    """Tokens as the instance's engine model emits them."""
+
+    def __init__(self, driver: EngineDriver, request: EngineRequest) -> None:
+        self._driver = driver
+        self._request = request
+        self._tokens: asyncio.Queue[None] = asyncio.Queue()
+        self._taken = 0
+
+    @property
+    def cached(self) -> CacheResult:
+        return _cached(self._request)
+
+    def deliver(self) -> None:
+        self._tokens.put_nowait(None)
+
+    async def next_token(self) -> None:
+        await self._tokens.get()
+        self._taken += 1
+
+    async def rest(self) -> None:
+        for _ in range(self._request.max_tokens - self._taken):
+            await self.next_token()
+
+    def close(self) -> None:
+        self._driver.forget(self._request)
+
+
+class EngineDriver:
+    """Runs one instance's engine in real time: one step loop, tokens to waiting handlers."""
+
+    def __init__(self, engine: Engine, metrics: SimMetrics) -> None:
+        self.engine = engine
+        self._metrics = metrics
+        self._generations: dict[EngineRequest, ModelledGeneration] = {}
+        self._wakeup = asyncio.Event()
+        metrics.follow_engine(lambda: engine.num_running, lambda: engine.num_waiting)
+
+    def start(self, prompt: str, max_tokens: int) -> ModelledGeneration:
+        """Submit a request now; ValueError when it could never fit the KV cache."""
+        now = asyncio.get_running_loop().time()
+        request = self.engine.submit(prompt, max_tokens, now)
+        generation = ModelledGeneration(self, request)
+        self._generations[request] = generation
+        self._wakeup.set()
+        return generation
+
+    def forget(self, request: EngineRequest) -> None:
+        """The handler is done: abort the request if unfinished, freeing its blocks and slot."""
+        self._generations.pop(request, None)
+        if not request.finished:
+            self.engine.abort(request)
+            self._wakeup.set()  # freed room may let a waiting request in
+
+    async def run(self) -> None:
+        """The step loop; runs until cancelled when the instance shuts down."""
+        loop = asyncio.get_running_loop()
+        clock = loop.time()
+        while True:  # one engine step, or one idle wait, per pass
+            batch = self.engine.schedule(clock)
+            if batch is None:
+                await self._idle(loop)
+                clock = loop.time()
+                continue
+            for request in batch.admitted:
+                self._metrics.prompt_processed(_cached(request))
+            await asyncio.sleep(max(0.0, batch.ends_at - loop.time()))
+            emitted = self.engine.complete(batch)
+            self._metrics.tokens_generated(len(emitted))
+            for request in emitted:
+                generation = self._generations.get(request)
+                if generation is not None:
+                    generation.deliver()
+            # The model's clock, not the wall's: a late wake-up must not slow the engine.
+            clock = batch.ends_at
+
+    async def _idle(self, loop: asyncio.AbstractEventLoop) -> None:
+        # No await since schedule() returned None, so no submit can have been missed.
+        self._wakeup.clear()
+        ready_at = self.engine.next_ready_at()
+        delay = None if ready_at is None else max(0.0, ready_at - loop.time())
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay):
+                await self._wakeup.wait()
+
+
+def log_driver_exit(task: asyncio.Task[None]) -> None:
+    """Done-callback: a step loop that dies would stall every request on its instance."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("sim.engine_failed", error=repr(task.exception()))

@@ -1,0 +1,83 @@
+"""Options of the simulated vLLM instances; light to import, so the CLI can show defaults."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from extproc.sim.engine import EngineConfig
+
+Timing = Literal["fixed", "model"]
+# KV capacity when none is given: fixed timing keeps its historical size; the engine model
+# holds about 20 8k-token prompts (see engine.py).
+DEFAULT_CAPACITY_BLOCKS: dict[str, int] = {"fixed": 4096, "model": 10_000}
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """Behaviour shared by every simulated instance.
+
+    timing "fixed" (the default) waits ttft_ms for the first token and itl_ms for each
+    further one, whatever the load. timing "model" runs the engine model of engine.py,
+    whose knobs are the fields from prefill_ms_per_token on; time_scale applies to both.
+    """
+
+    model: str = "sim-model"
+    capacity_blocks: int | None = None  # None: DEFAULT_CAPACITY_BLOCKS of the timing
+    block_size_tokens: int = 16
+    chars_per_token: int = 4
+    ttft_ms: float = 0.0
+    itl_ms: float = 0.0
+    default_max_tokens: int = 16
+    max_tokens_cap: int = 4096
+    timing: Timing = "fixed"
+    time_scale: float = EngineConfig.time_scale
+    prefill_ms_per_token: float = EngineConfig.prefill_ms_per_token
+    decode_ms_per_token: float = EngineConfig.decode_ms_per_token
+    step_overhead_ms: float = EngineConfig.step_overhead_ms
+    request_overhead_ms: float = EngineConfig.request_overhead_ms
+    max_batched_tokens: int = EngineConfig.max_batched_tokens
+    max_num_seqs: int = EngineConfig.max_num_seqs
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty string, got {self.model!r}")
+        if self.timing not in DEFAULT_CAPACITY_BLOCKS:
+            raise ValueError(f"timing must be 'fixed' or 'model', got {self.timing!r}")
+        if self.capacity_blocks is None:
+            # Frozen: resolve the default the one way a dataclass allows.
+            object.__setattr__(self, "capacity_blocks", DEFAULT_CAPACITY_BLOCKS[self.timing])
+        for name in (
+            "capacity_blocks",
+            "block_size_tokens",
+            "chars_per_token",
+            "default_max_tokens",
+            "max_tokens_cap",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("ttft_ms", "itl_ms"):
+            value = getattr(self, name)
+            valid = isinstance(value, int | float) and not isinstance(value, bool)
+            if not valid or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.timing == "model" and (self.ttft_ms or self.itl_ms):
+            raise ValueError("ttft_ms and itl_ms apply to timing 'fixed' only")
+        self.engine_config()  # validates the model's knobs, by name
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            prefill_ms_per_token=self.prefill_ms_per_token,
+            decode_ms_per_token=self.decode_ms_per_token,
+            step_overhead_ms=self.step_overhead_ms,
+            request_overhead_ms=self.request_overhead_ms,
+            max_batched_tokens=self.max_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            time_scale=self.time_scale,
+        )
+
+    def scaled_s(self, ms: float) -> float:
+        """A modelled duration in ms as wall seconds, after time_scale."""
+        return ms * self.time_scale / 1000

@@ -1,0 +1,23 @@
+"""The fleet benchmark end to end at smoke size: real Envoy, router, simulators."""
+
+from extproc.bench.fleet import FleetBenchOptions, run
+from extproc.bench.workloads import WorkloadSpec
+
+
+def test_fleet_benchmark_compares_paths_and_writes_reports(tmp_path):
+    spec = WorkloadSpec(name="long-context", rate_per_s=6, duration_s=8, documents=10)
+    options = FleetBenchOptions(
+        workload=spec,
+        paths=("RANDOM", "PREFIX_AWARE", "envoy-ring-hash", "smg-cache-aware"),
+        out_dir=tmp_path,
+    )
+    results = {r.path: r for r in run(options)}
+    assert not any(r.skipped for r in results.values())  # the peers are test dependencies
+    assert all(r.failures == 0 and len(r.outcomes) > 20 for r in results.values())
+    assert results["PREFIX_AWARE"].hit_rate > results["RANDOM"].hit_rate + 0.2
+    assert results["PREFIX_AWARE"].percentile(0.5) < results["RANDOM"].percentile(0.5)
+    assert abs(sum(results["RANDOM"].shares.values()) - 1) < 1e-9
+    text = (tmp_path / "long-context.md").read_text()
+    assert "| PREFIX_AWARE |" in text and "p50 vs RANDOM" in text
+    assert (tmp_path / "long-context-ttft.png").stat().st_size > 10_000
+    assert (tmp_path / "long-context-share.png").stat().st_size > 10_000

@@ -1,0 +1,134 @@
+"""`prefix-router sim`: its flags reach SimOptions, and --timing model runs the engine model."""
+
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from extproc import cli
+from extproc.sim import server as sim_server
+from extproc.sim.options import SimOptions
+
+HOST = "127.0.0.1"
+
+
+def parsed_options(monkeypatch: pytest.MonkeyPatch, *flags: str) -> SimOptions:
+    seen: list[SimOptions] = []
+    monkeypatch.setattr(sim_server, "run", lambda addresses, options: seen.append(options))
+    assert cli.main(["sim", "--address", f"{HOST}:8000", *flags]) == 0
+    [options] = seen
+    return options
+
+
+def test_defaults_keep_fixed_timing(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parsed_options(monkeypatch) == SimOptions()
+    options = parsed_options(monkeypatch, "--ttft-ms", "20", "--itl-ms", "5")
+    assert (options.timing, options.ttft_ms, options.itl_ms) == ("fixed", 20.0, 5.0)
+
+
+def test_model_flags_reach_the_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    options = parsed_options(
+        monkeypatch,
+        *("--timing", "model", "--time-scale", "0.1", "--prefill-ms-per-token", "0.05"),
+        *("--decode-ms-per-token", "30", "--step-overhead-ms", "2"),
+        *("--request-overhead-ms", "10", "--max-batched-tokens", "4096"),
+        *("--max-num-seqs", "64", "--block-size", "32", "--capacity-blocks", "500"),
+    )
+    assert options == SimOptions(
+        timing="model",
+        time_scale=0.1,
+        prefill_ms_per_token=0.05,
+        decode_ms_per_token=30.0,
+        step_overhead_ms=2.0,
+        request_overhead_ms=10.0,
+        max_batched_tokens=4096,
+        max_num_seqs=64,
+        block_size_tokens=32,
+        capacity_blocks=500,
+    )
+    assert parsed_options(monkeypatch, "--timing", "model") == SimOptions(timing="model")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--timing", "model", "--ttft-ms", "5"), "--ttft-ms applies to --timing fixed"),
+        (("--max-num-seqs", "4"), "--max-num-seqs applies to --timing model"),
+        (("--timing", "model", "--time-scale", "-1"), "time_scale"),
+    ],
+)
+def test_bad_flag_combinations_exit_2(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    flags: tuple[str, ...],
+    message: str,
+) -> None:
+    monkeypatch.setattr(sim_server, "run", lambda *_: pytest.fail("must not start"))
+    assert cli.main(["sim", "--address", f"{HOST}:8000", *flags]) == cli.EXIT_USAGE
+    assert message in capsys.readouterr().err
+
+
+@contextlib.contextmanager
+def sim_process(*flags: str) -> Iterator[str]:
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "extproc", "sim", "--address", f"{HOST}:{port}", *flags]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            assert proc.poll() is None, "the simulator exited"
+            assert time.monotonic() < deadline, "the simulator never accepted a connection"
+            try:
+                socket.create_connection((HOST, port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        yield f"http://{HOST}:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def streamed_ttft(client: httpx.Client, base: str, prompt: str) -> float:
+    body = {"prompt": prompt, "max_tokens": 2, "stream": True}
+    began = time.monotonic()
+    with client.stream("POST", f"{base}/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        chunks = response.iter_raw()
+        next(chunks)
+        ttft = time.monotonic() - began
+        for _ in chunks:  # the rest of the stream, bounded by max_tokens
+            pass
+    return ttft
+
+
+def test_timing_model_through_the_cli_streams_at_the_scaled_ttft() -> None:
+    scale = 0.5
+    defaults = SimOptions(timing="model")
+    overhead_ms = defaults.request_overhead_ms + defaults.step_overhead_ms
+    uncached_s = (overhead_ms + defaults.prefill_ms_per_token * 8000) / 1000 * scale
+    cached_s = (overhead_ms + defaults.decode_ms_per_token) / 1000 * scale
+    prompt = "c" * (8000 * 4)
+    with (
+        sim_process("--timing", "model", "--time-scale", str(scale)) as base,
+        httpx.Client(timeout=30) as client,
+    ):
+        first = streamed_ttft(client, base, prompt)
+        second = streamed_ttft(client, base, prompt)
+        assert client.post(f"{base}/reset_prefix_cache").status_code == 200
+        third = streamed_ttft(client, base, prompt)
+    slack_s = 0.08  # a subprocess on a busy machine; latency only ever adds
+    assert uncached_s * 0.98 <= first <= uncached_s + slack_s
+    assert cached_s * 0.98 <= second <= cached_s + slack_s
+    assert uncached_s * 0.98 <= third <= uncached_s + slack_s
