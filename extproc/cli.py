@@ -249,6 +249,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             fleet.FleetBenchOptions(
                 workload=spec,
                 time_scale=args.time_scale,
+                prefix_length=args.prefix_length,
                 out_dir=args.out,
                 command=command,
                 paths=paths,
@@ -490,6 +491,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="fleet workloads: compress simulated time by this factor",
     )
     bench.add_argument("--paths", help="fleet workloads: comma-separated subset of paths")
+    bench.add_argument(
+        "--prefix-length",
+        type=int,
+        default=8192,
+        help="fleet workloads: the router's prefix_length; set it to the part requests share "
+        "(conversations: the system prompt and first user turn) (default 8192)",
+    )
     bench.add_argument("--instances", type=int, default=3, help="real-vllm: vLLM instances")
     bench.add_argument(
         "--device", choices=["cpu", "cuda"], default="cpu", help="real-vllm: where vLLM runs"
