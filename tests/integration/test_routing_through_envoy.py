@@ -8,7 +8,6 @@ import json
 import httpx
 
 from extproc.stack.local import LocalStack
-from extproc.stack.processes import wait_until
 
 from .conftest import THRESHOLD, fleet
 
@@ -88,22 +87,19 @@ async def test_overflow_happens_at_the_threshold(stack: LocalStack):
 
 
 def test_client_cannot_choose_the_upstream(stack: LocalStack, client):
-    # The overflow test's streams may still be closing: wait so no overflow moves "normal".
-    wait_until(lambda: not any(in_flight(stack).values()), 10, "in-flight requests to drain")
     sim_port = stack.spec.backends[0][1]
     admin = f"{stack.spec.admin[0]}:{stack.spec.admin[1]}"
+    # Loopback targets outside the fleet: Envoy's admin, an unused address, the router.
     hostile_targets = [admin, f"127.0.0.99:{sim_port}", f"127.0.0.1:{stack.spec.router[1]}"]
-    normal = served_by(post(client, chat(document(3))))
     for target in hostile_targets:
-        for header in [
-            "x-target-host",
-            "X-Target-Host",
-            "x-envoy-original-dst-host",
-            "x-gateway-destination-endpoint",
-        ]:
+        for header in ["x-target-host", "X-Target-Host", "x-envoy-original-dst-host",
+                       "x-gateway-destination-endpoint"]:  # fmt: skip
             response = post(client, chat(document(3)), {header: target})
             assert response.status_code == 200
-            assert served_by(response) == normal
+            # Served by a fleet member that the router chose (the load feed may legitimately
+            # overflow it to the key's next host, so the member itself is not pinned here).
+            assert served_by(response) in fleet(stack)
+            assert served_by(response) != target
             assert "envoy" not in response.text.lower()[:200]
 
 
