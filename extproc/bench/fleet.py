@@ -28,6 +28,7 @@ import httpx
 import structlog
 
 from extproc.bench import report
+from extproc.bench.counters import prefix_counters
 from extproc.bench.loadgen import RequestOutcome, run_open_loop
 from extproc.bench.workloads import WorkloadSpec, describe, generate
 from extproc.control.loadfeed import parse_vllm_metrics
@@ -95,15 +96,6 @@ class PathResult:
     def tokens_per_s(self) -> float:
         tokens = sum(o.output_tokens for o in self.outcomes if o.ok)
         return tokens / (self.wall_s / self.time_scale) if self.wall_s else 0.0
-
-
-def sim_counters(addresses: Sequence[str]) -> tuple[float, float]:
-    queries = hits = 0.0
-    for address in addresses:
-        load = parse_vllm_metrics(httpx.get(f"http://{address}/metrics").text, 0.0)
-        queries += load.prefix_cache_queries
-        hits += load.prefix_cache_hits
-    return queries, hits
 
 
 def reset_caches(addresses: Sequence[str]) -> None:
@@ -240,11 +232,11 @@ def run_path(fleet: Fleet, path: str, requests: list) -> PathResult:  # type: ig
         if url is None:
             return PathResult(path, [], 0.0, options.time_scale, 0.0, skipped="not installed")
     reset_caches(fleet.addresses)
-    queries_before, hits_before = sim_counters(fleet.addresses)
+    queries_before, hits_before = prefix_counters(fleet.addresses)
     outcomes, wall = asyncio.run(
         run_open_loop(f"{url}/v1/chat/completions", requests, options.time_scale)
     )
-    queries, hits = sim_counters(fleet.addresses)
+    queries, hits = prefix_counters(fleet.addresses)
     result = PathResult(
         path,
         outcomes,

@@ -11,7 +11,7 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -20,7 +20,7 @@ import httpx
 import structlog
 
 from extproc.bench import report
-from extproc.control.loadfeed import parse_vllm_metrics
+from extproc.bench.counters import prefix_counters
 from extproc.stack.local import LocalStack, StackSpec
 from extproc.stack.processes import free_port, wait_until
 from extproc.stack.vllm import VllmOptions, make_model, start_vllm, vllm_python
@@ -113,16 +113,6 @@ def workload(options: RealVllmOptions, variant: int) -> list[tuple[int, dict[str
         )
         for d, q in pairs
     ]
-
-
-def prefix_counters(addresses: Iterable[str]) -> tuple[float, float]:
-    """(queries, hits) summed over instances, in tokens, from vLLM's /metrics."""
-    queries = hits = 0.0
-    for address in addresses:
-        load = parse_vllm_metrics(httpx.get(f"http://{address}/metrics").text, 0.0)
-        queries += load.prefix_cache_queries
-        hits += load.prefix_cache_hits
-    return queries, hits
 
 
 def send(url: str, body: dict[str, object]) -> tuple[str, float]:
