@@ -6,6 +6,7 @@ same way, through this module, so the tests exercise what users run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -64,7 +65,11 @@ class ManagedProcess:
         return self.popen is not None and self.popen.poll() is None
 
     def stop(self, timeout: float = 10.0) -> int | None:
-        """SIGTERM, wait up to ``timeout``, then SIGKILL. Returns the exit code."""
+        """SIGTERM, wait up to ``timeout``, then SIGKILL. Returns the exit code.
+
+        Whatever the process started in its own session (vLLM's engine and resource
+        tracker, say) is killed with it, so nothing outlives a stop.
+        """
         if self.popen is None:
             return None
         if self.popen.poll() is None:
@@ -74,12 +79,21 @@ class ManagedProcess:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait(5)
+        self._kill_session()
         return self.popen.returncode
+
+    def _kill_session(self) -> None:
+        # start_new_session made the child a process-group leader: the group's id is its pid.
+        assert self.popen is not None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
 
     def kill(self) -> None:
         if self.popen is not None and self.popen.poll() is None:
             self.popen.kill()
             self.popen.wait(5)
+        if self.popen is not None:
+            self._kill_session()
 
     def log_tail(self, lines: int = 20) -> str:
         try:
