@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -23,6 +22,7 @@ from extproc.control.snapshot import (
     content_version,
 )
 from extproc.control.xds_server import XdsServer
+from extproc.stack.processes import free_port
 
 CP_HOST = "127.0.0.1"
 CLUSTER = "vllm"
@@ -39,12 +39,6 @@ def metric(name: str, labels: dict[str, str] | None = None) -> float:
 
 def nacks() -> float:
     return metric("prefix_router_cp_xds_nacks_total")
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def fleet(*hosts: PublishedHost) -> FleetSnapshot:

@@ -1,7 +1,6 @@
 import asyncio
 import contextlib
 import os
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from extproc.control.fleet import Fleet, build_fleet
 from extproc.control.model import HostHealth, HostLoad
 from extproc.control.snapshot import FleetSnapshot, LoadSnapshot, PublishedHost, SnapshotStore
 from extproc.sim.server import SimOptions, serve
+from extproc.stack.processes import free_port
 
 # Loopback addresses of their own keep these tests clear of other suites' ports.
 SIM_A = "127.0.0.61"
@@ -38,12 +38,6 @@ def metric(name: str, labels: dict[str, str] | None = None) -> float:
 
 def reloads(result: str) -> float:
     return metric("prefix_router_config_reloads_total", {"result": result})
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.asynccontextmanager

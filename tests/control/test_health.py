@@ -1,6 +1,5 @@
 import asyncio
 import contextlib
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
@@ -20,6 +19,7 @@ from extproc.control.health import (
 )
 from extproc.control.model import HostHealth
 from extproc.sim.server import SimOptions, serve
+from extproc.stack.processes import free_port
 
 # Loopback addresses of their own keep these tests clear of other suites' ports.
 SIM_HOST = "127.0.0.31"
@@ -30,12 +30,6 @@ FAST = HealthPolicy(interval_s=0.2, timeout_s=0.2)
 
 OK = ProbeResult(True, models=("m",))
 FAIL = ProbeResult(False, error="refused")
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.asynccontextmanager

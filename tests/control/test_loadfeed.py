@@ -1,6 +1,5 @@
 import asyncio
 import contextlib
-import socket
 import time
 from collections.abc import AsyncIterator, Mapping
 
@@ -20,6 +19,7 @@ from extproc.control.loadfeed import (
 from extproc.control.model import HostLoad
 from extproc.errors import RouterError
 from extproc.sim.server import SimOptions, serve
+from extproc.stack.processes import free_port
 
 # Loopback addresses of their own keep these tests clear of other suites' ports.
 SIM_HOST = "127.0.0.41"
@@ -76,12 +76,6 @@ vllm:prompt_tokens_total{engine="0",model_name="sql-lora"} 9999.0
 # TYPE process_cpu_seconds_total counter
 process_cpu_seconds_total 12.5
 """
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.asynccontextmanager
