@@ -1,0 +1,231 @@
+"""Envoy, the router, the control plane and simulators, each in its own container.
+
+Every container uses the host network and loopback addresses, as the CI engine runs with
+its bridge off. Configs are rendered to a directory mounted read-only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import docker
+import httpx
+import yaml
+from testcontainers.core.container import DockerContainer
+
+from extproc.stack.bootstrap import BootstrapParams, render
+from extproc.stack.local import simulated_backends
+from extproc.stack.processes import free_ports, http_ok
+
+LABEL = "envoy-prefix-router.test"
+_serial = itertools.count()
+READY_TIMEOUT_S = 60
+THRESHOLD = 2
+
+
+def join(address: tuple[str, int]) -> str:
+    return f"{address[0]}:{address[1]}"
+
+
+def docker_client() -> docker.DockerClient:
+    return docker.from_env(timeout=30)
+
+
+@dataclass(frozen=True)
+class ImageTags:
+    router: str
+    sim: str
+    envoy: str
+
+    @classmethod
+    def for_tag(cls, tag: str) -> ImageTags:
+        return cls(
+            router=f"envoy-prefix-router:{tag}",
+            sim=f"envoy-prefix-router-sim:{tag}",
+            envoy=f"envoy-prefix-router-envoy:{tag}",
+        )
+
+
+def wait_for(check, what: str, timeout: float = READY_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except (OSError, httpx.HTTPError):  # not listening yet
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def metric(url: str, name: str) -> float | None:
+    try:
+        text = httpx.get(url, timeout=2).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+class ContainerStack:
+    """Three simulator containers, the control plane, the router and Envoy."""
+
+    def __init__(self, images: ImageTags, config_dir: Path) -> None:
+        self.images = images
+        self.config_dir = config_dir
+        config_dir.chmod(0o755)  # the images run as an unprivileged user
+        listen, admin, router, router_metrics, xds, xds_metrics = free_ports(6)
+        self.listen = ("127.0.0.1", listen)
+        self.admin = ("127.0.0.1", admin)
+        self.router_address = ("127.0.0.1", router)
+        self.router_metrics = ("127.0.0.1", router_metrics)
+        self.control_plane = ("127.0.0.1", xds)
+        self.control_plane_metrics = ("127.0.0.1", xds_metrics)
+        self.backends = simulated_backends(3)
+        self.containers: dict[str, DockerContainer] = {}
+
+    # ---- addresses
+    @property
+    def url(self) -> str:
+        return f"http://{self.listen[0]}:{self.listen[1]}"
+
+    @property
+    def router_metrics_url(self) -> str:
+        return f"http://{self.router_metrics[0]}:{self.router_metrics[1]}/metrics"
+
+    @property
+    def fleet(self) -> set[str]:
+        return {f"{h}:{p}" for h, p in self.backends}
+
+    # ---- lifecycle
+    def _write(self, name: str, content: str) -> Path:
+        path = self.config_dir / name
+        path.write_text(content)
+        path.chmod(0o644)
+        return path
+
+    def _run(self, name: str, image: str, command: list[str], **env: str) -> DockerContainer:
+        container = (
+            DockerContainer(image, name=f"prt-{os.getpid()}-{name}-{next(_serial)}")
+            .with_command(command)
+            .with_volume_mapping(str(self.config_dir), "/etc/prefix-router", "ro")
+            .with_kwargs(network_mode="host", labels={LABEL: name})
+        )
+        for key, value in env.items():
+            container.with_env(key, value)
+        container.start()
+        self.containers[name] = container
+        return container
+
+    def stop_container(self, name: str) -> None:
+        container = self.containers.pop(name)
+        container.stop()  # stops and removes
+
+    def start_sims(self) -> None:
+        for index, (host, port) in enumerate(self.backends):
+            self._run(
+                f"sim-{index}",
+                self.images.sim,
+                ["sim", "--address", f"{host}:{port}", "--ttft-ms", "0", "--itl-ms", "20"],
+                PREFIX_ROUTER_HEALTH_URL=f"http://{host}:{port}/health",
+            )
+        for host, port in self.backends:
+            wait_for(lambda h=host, p=port: http_ok(f"http://{h}:{p}/health"), f"sim {host}")
+
+    def start_control_plane(self) -> None:
+        config = {
+            "listen": join(self.control_plane),
+            "metrics_listen": join(self.control_plane_metrics),
+            "hosts": sorted(self.fleet),
+            "health": {"interval_s": 0.5, "unhealthy_threshold": 2, "healthy_threshold": 1},
+        }
+        self._write("control-plane.yaml", yaml.safe_dump(config))
+        metrics = f"http://{join(self.control_plane_metrics)}/metrics"
+        self._run(
+            "control-plane",
+            self.images.router,
+            ["control-plane", "--config", "/etc/prefix-router/control-plane.yaml"],
+            PREFIX_ROUTER_HEALTH_URL=metrics,
+        )
+        wait_for(lambda: http_ok(metrics), "the control plane")
+
+    def start_router(self, **settings: Any) -> None:
+        config = {
+            "routing_strategy": "PREFIX_AWARE",
+            "concurrency_threshold": THRESHOLD,
+            "prefix_length": 4096,
+            "control_plane": join(self.control_plane),
+            "listen": join(self.router_address),
+            "metrics_listen": join(self.router_metrics),
+            **settings,
+        }
+        self._write("router.yaml", yaml.safe_dump(config))
+        self._run(
+            "router",
+            self.images.router,
+            ["router", "--config", "/etc/prefix-router/router.yaml"],
+            PREFIX_ROUTER_HEALTH_URL=self.router_metrics_url,
+        )
+        wait_for(
+            lambda: metric(self.router_metrics_url, "prefix_router_hosts") == len(self.backends),
+            "the router to know the fleet",
+        )
+        if "envoy" in self.containers:
+            self.wait_for_router_in_envoy()
+
+    def start_envoy(self) -> None:
+        params = BootstrapParams(
+            listen=self.listen,
+            admin=self.admin,
+            routers=(self.router_address,),
+            backends=self.backends,
+            control_plane=self.control_plane,
+        )
+        self._write("envoy.yaml", render(params))
+        self._run(
+            "envoy",
+            self.images.envoy,
+            ["-c", "/etc/prefix-router/envoy.yaml", "--log-level", "warn", "--disable-hot-restart"],
+        )
+        admin = f"http://{join(self.admin)}"
+
+        def ready() -> bool:
+            if not http_ok(f"{admin}/ready"):
+                return False
+            clusters = httpx.get(f"{admin}/clusters", timeout=2).text
+            return all(f"vllm::{host}::health_flags" in clusters for host in self.fleet)
+
+        wait_for(ready, "Envoy to serve with the whole fleet")
+        self.wait_for_router_in_envoy()
+
+    def wait_for_router_in_envoy(self) -> None:
+        """Until Envoy's gRPC health check passes the router (else requests fail open)."""
+        flag = f"prefix_router::{join(self.router_address)}::health_flags::healthy"
+        admin = f"http://{join(self.admin)}"
+        wait_for(lambda: flag in httpx.get(f"{admin}/clusters", timeout=2).text, flag)
+
+    def __enter__(self) -> ContainerStack:
+        try:
+            self.start_sims()
+            self.start_control_plane()
+            self.start_router()
+            self.start_envoy()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name in list(reversed(self.containers)):
+            self.stop_container(name)
+
+    def logs(self, name: str) -> str:
+        stdout, stderr = self.containers[name].get_logs()
+        return (stdout + stderr).decode(errors="replace")
