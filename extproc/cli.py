@@ -166,6 +166,13 @@ def _cmd_envoy_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_config_reference(args: argparse.Namespace) -> int:
+    from extproc.config_reference import render
+
+    sys.stdout.write(render())
+    return 0
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     from extproc.config import load_config
     from extproc.stack.local import LocalStack, StackSpec, simulated_backends
@@ -231,6 +238,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         for result in results:
             print(f"{result.strategy}: hit rate {result.hit_rate:.3f}")
         return 0
+    if args.workload == "scale-event":
+        return _bench_scale_event(args)
     if args.workload in FLEET_WORKLOADS:
         from extproc.bench import fleet
         from extproc.bench.workloads import WorkloadSpec
@@ -238,11 +247,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         spec = WorkloadSpec(
             name=args.workload,
             rate_per_s=args.rate,
-            duration_s=15.0 if args.quick else (args.duration or 40.0),
+            duration_s=10.0 if args.quick else (args.duration or 40.0),
             **({"documents": 12} if args.quick and "conversations" not in args.workload else {}),
         )
         command = "prefix-router bench " + " ".join(sys.argv[2:])
-        paths = fleet.FleetBenchOptions.paths
+        paths = fleet.default_paths(args.workload)
         if args.paths:
             paths = tuple(args.paths.split(","))
         results = fleet.run(
@@ -253,6 +262,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                 out_dir=args.out,
                 command=command,
                 paths=paths,
+                sim_args=fleet.default_sim_args(args.workload),
+                overhead_probes=args.overhead_probes,
+                closed_loop_concurrency=args.closed_loop,
+                closed_loop_requests=24 if args.quick else 300,
             )
         )
         for result in results:
@@ -272,6 +285,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         )
         print(path.read_text())
         return 0
+    if args.workload in ("soak", "saturation"):
+        return _bench_reliability(args)
     from extproc.bench.overhead import OverheadOptions, run
 
     run(
@@ -281,6 +296,74 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             out_dir=args.out,
         )
     )
+    return 0
+
+
+def _bench_scale_event(args: argparse.Namespace) -> int:
+    """scale-event: long-context while the fleet grows 7 -> 8 and shrinks to 6."""
+    import dataclasses
+
+    from extproc.bench import scale_event
+
+    options = scale_event.ScaleEventOptions(
+        out_dir=args.out, command="prefix-router bench " + " ".join(sys.argv[2:])
+    )
+    if args.quick:
+        options = scale_event.quick(options)
+    if args.paths:
+        options = dataclasses.replace(options, paths=tuple(args.paths.split(",")))
+    for result in scale_event.run(options):
+        for event in result.events:
+            print(
+                f"{result.path:16} {event.name}: hit {event.baseline:.1%} -> lowest "
+                f"{event.lowest:.1%}, recovery {event.recovery_s} s, moved {event.moved}"
+            )
+    return 0
+
+
+def _bench_reliability(args: argparse.Namespace) -> int:
+    """soak and saturation: both write docs/benchmarks/reliability.md."""
+    import dataclasses
+
+    command = "prefix-router bench " + " ".join(sys.argv[2:])
+    if args.workload == "soak":
+        from extproc.bench import soak
+
+        options = soak.SoakOptions(out_dir=args.out, command=command)
+        if args.quick:
+            options = soak.SoakOptions(
+                requests=3000,
+                warmup_s=2.0,
+                segment_s=2.0,
+                leak_probe_streams=0,
+                out_dir=args.out,
+                command=command,
+            )
+        if args.requests:
+            options = dataclasses.replace(options, requests=args.requests)
+        result = soak.run(options)
+        print(
+            f"soak: {result.requests} requests, {result.errors} errors, in flight at end "
+            f"{result.in_flight_end:g}, RSS growth router {result.growth['router']:+.1%} "
+            f"control plane {result.growth['control_plane']:+.1%}: "
+            f"{'passed' if result.passed else 'FAILED'}"
+        )
+        return 0 if result.passed else 1
+    from extproc.bench import saturation
+
+    sat = saturation.SaturationOptions(
+        rounds=args.rounds, out_dir=args.out, command=command, duration_s=args.duration or 4.0
+    )
+    if args.quick:
+        sat = dataclasses.replace(
+            sat, rates=(100, 200), duration_s=1.0, rounds=1, profile_s=1.0, failures_to_stop=2
+        )
+    found = saturation.run(sat)
+    for config, rate in found.max_rate.items():
+        print(
+            f"saturation: {config}: {rate} req/s at p99 <= {sat.added_p99_budget_ms:g} ms added, "
+            f"capacity {found.capacity.get(config)} req/s"
+        )
     return 0
 
 
@@ -455,6 +538,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("--decode-ms-per-token", float, "decode step time (one token per sequence), ms"),
         ("--step-overhead-ms", float, "fixed cost of every engine step, ms"),
         ("--request-overhead-ms", float, "per-request front-end time before queueing, ms"),
+        (
+            "--attention-ms-per-kv-token",
+            float,
+            "step time per context token of each decoding sequence, ms",
+        ),
         ("--max-batched-tokens", int, "token budget of one engine step"),
         ("--max-num-seqs", int, "most requests running at once"),
     )
@@ -478,7 +566,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--workload",
-        choices=["overhead", "fleet-events", "real-vllm", *FLEET_WORKLOADS],
+        choices=[
+            "overhead",
+            "fleet-events",
+            "real-vllm",
+            "scale-event",
+            "soak",
+            "saturation",
+            *FLEET_WORKLOADS,
+        ],
         required=True,
     )
     bench.add_argument(
@@ -491,6 +587,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="fleet workloads: compress simulated time by this factor",
     )
     bench.add_argument("--paths", help="fleet workloads: comma-separated subset of paths")
+    bench.add_argument(
+        "--overhead-probes",
+        type=int,
+        default=0,
+        help="fleet workloads: measure each path's routing overhead with this many probes "
+        "against instantly answering simulators (0: skip)",
+    )
+    bench.add_argument(
+        "--closed-loop",
+        type=int,
+        default=0,
+        help="fleet workloads: after the open loop, a saturation run with this many "
+        "concurrent clients (0: skip)",
+    )
     bench.add_argument(
         "--prefix-length",
         type=int,
@@ -510,6 +620,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians quoted")
     bench.add_argument("--quick", action="store_true", help="a short smoke run")
+    bench.add_argument("--requests", type=int, help="soak: requests to send (default 200000)")
     bench.add_argument(
         "--out",
         type=Path,
@@ -567,6 +678,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     envoy.add_argument("--no-upstream-host-header", action="store_true")
     envoy.set_defaults(handler=_cmd_envoy_config)
+
+    reference = commands.add_parser(
+        "config-reference",
+        help="print the configuration reference (docs/configuration.md) from the config schema",
+    )
+    reference.set_defaults(handler=_cmd_config_reference)
     return parser
 
 

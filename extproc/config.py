@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,20 @@ ENV_PREFIX = "PREFIX_ROUTER_"
 PREFIX_LENGTH_RANGE = (1024, 65536)
 CONCURRENCY_THRESHOLD_RANGE = (1, 1024)
 FAILOVER_HOSTS_RANGE = (0, 8)
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def doc(text: str, **constraints: Any) -> dict[str, Any]:
+    """Field metadata that documents a config field where it is declared.
+
+    ``text`` says what the field does; ``range=(low, high)`` (a bound may name a sibling
+    field) or ``allowed="..."`` say which values it accepts. docs/configuration.md is
+    rendered from this metadata (``prefix-router config-reference``), and a test checks
+    every ``range`` against the validation, so the reference cannot drift from the schema.
+    """
+    return {"doc": text, **constraints}
 
 
 def _check_range(name: str, value: Any, bounds: tuple[int, int]) -> int:
@@ -56,28 +70,91 @@ def _check_enum(name: str, value: Any, enum: type[Strategy] | type[KeyMode]) -> 
 class RouterConfig:
     """Everything the router needs; the names follow SageMaker's PREFIX_AWARE routing."""
 
-    routing_strategy: Strategy = Strategy.PREFIX_AWARE
-    # Bytes of the raw body (native) or characters of message text (openai) that form the key.
-    prefix_length: int = 8192
-    # Requests in flight on a host at which new requests overflow to the next host.
-    concurrency_threshold: int = 32
-    # PREFIX_AWARE also overflows a host whose load reaches this multiple of the fleet's
-    # mean (bounded-load consistent hashing; never below 2 in flight). None turns it off.
-    balance_factor: float | None = 1.5
-    key_mode: KeyMode = KeyMode.OPENAI
-    # The static host set (ip:port), for running without a control plane.
-    hosts: tuple[str, ...] = ()
-    # The control plane's xDS address (ip:port); the host set and load feed come from it.
-    control_plane: str | None = None
-    # The cluster (EDS resource) the control plane publishes the fleet as.
-    cluster: str = "vllm"
-    # A load feed older than this is ignored: overflow uses local in-flight counts only.
-    load_feed_max_age_s: float = 2.0
-    # Extra hosts in the target list for Envoy's retries (override-host mode).
-    failover_hosts: int = 2
-    listen: str = "127.0.0.1:50051"
-    metrics_listen: str = "127.0.0.1:9102"
-    log_level: str = "info"
+    routing_strategy: Strategy = field(
+        default=Strategy.PREFIX_AWARE,
+        metadata=doc(
+            "How to pick the upstream: PREFIX_AWARE places each prompt prefix on a "
+            "consistent host; RANDOM and LEAST_OUTSTANDING_REQUESTS ignore the prompt."
+        ),
+    )
+    prefix_length: int = field(
+        default=8192,
+        metadata=doc(
+            "How much of the prompt forms the routing key: characters of message text "
+            "(openai) or bytes of the raw body (native).",
+            range=PREFIX_LENGTH_RANGE,
+        ),
+    )
+    concurrency_threshold: int = field(
+        default=32,
+        metadata=doc(
+            "Requests in flight on a host at which new requests for its prefixes overflow "
+            "to the prefix's next host.",
+            range=CONCURRENCY_THRESHOLD_RANGE,
+        ),
+    )
+    balance_factor: float | None = field(
+        default=1.5,
+        metadata=doc(
+            "PREFIX_AWARE also overflows a host whose load reaches this multiple of the "
+            "fleet's mean (bounded-load consistent hashing; never below 2 in flight). "
+            "null turns it off.",
+            range=(1.0, 10),
+        ),
+    )
+    key_mode: KeyMode = field(
+        default=KeyMode.OPENAI,
+        metadata=doc(
+            "openai: the key is the message text of an OpenAI chat or completions body; "
+            "native: the first bytes of the raw body."
+        ),
+    )
+    hosts: tuple[str, ...] = field(
+        default=(),
+        metadata=doc(
+            "The static host set, for running without a control plane.",
+            allowed="ip:port entries; empty when control_plane is set",
+        ),
+    )
+    control_plane: str | None = field(
+        default=None,
+        metadata=doc(
+            "The control plane's xDS address; the host set and the load feed come from it.",
+            allowed="ip:port",
+        ),
+    )
+    cluster: str = field(
+        default="vllm",
+        metadata=doc(
+            "The cluster (EDS resource) the control plane publishes the fleet as.",
+            allowed="a non-empty name",
+        ),
+    )
+    load_feed_max_age_s: float = field(
+        default=2.0,
+        metadata=doc(
+            "A load feed older than this is ignored, and overflow uses this router's own "
+            "in-flight counts only.",
+            range=(0.1, 600),
+        ),
+    )
+    failover_hosts: int = field(
+        default=2,
+        metadata=doc(
+            "Extra hosts in the target list, tried in turn by Envoy's retries "
+            "(override-host mode).",
+            range=FAILOVER_HOSTS_RANGE,
+        ),
+    )
+    listen: str = field(
+        default="127.0.0.1:50051", metadata=doc("The gRPC (ext_proc) address.", allowed="ip:port")
+    )
+    metrics_listen: str = field(
+        default="127.0.0.1:9102", metadata=doc("The Prometheus metrics address.", allowed="ip:port")
+    )
+    log_level: str = field(
+        default="info", metadata=doc("The lowest level logged.", allowed=", ".join(LOG_LEVELS))
+    )
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -125,8 +202,8 @@ class RouterConfig:
             or not (0.1 <= feed_age <= 600)
         ):
             raise ConfigError("load_feed_max_age_s", feed_age, "a number from 0.1 to 600")
-        if self.log_level not in ("debug", "info", "warning", "error"):
-            raise ConfigError("log_level", self.log_level, "one of debug, info, warning, error")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError("log_level", self.log_level, f"one of {', '.join(LOG_LEVELS)}")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import signal
+import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,9 @@ log = structlog.get_logger("server")
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 # How long SIGTERM waits for open streams (in-flight requests) before cancelling them.
 DRAIN_SECONDS = 30.0
+# How long SIGTERM keeps accepting new streams while waiting for a health check to report
+# NOT_SERVING (Envoy checks every second), so no stream is refused before Envoy moves on.
+DRAIN_NOTICE_SECONDS = 3.0
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
@@ -71,6 +75,37 @@ class ExternalProcessor:
                 )
             },
         )
+
+
+class HealthService(health.aio.HealthServicer):
+    """The gRPC health service, noting when it was last asked.
+
+    A draining router keeps accepting streams until a health check has been answered
+    NOT_SERVING: gRPC refuses new streams once the server stops, and Envoy would send
+    them here until its next check.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last_check: float | None = None
+        self._checked = asyncio.Event()
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        response = await super().Check(request, context)
+        self.last_check = time.monotonic()
+        self._checked.set()
+        return response  # type: ignore[no-any-return]
+
+    async def drain_notice(self, timeout_s: float = DRAIN_NOTICE_SECONDS) -> None:
+        """After ``enter_graceful_shutdown``: wait for the next check (which reports
+        NOT_SERVING), at most ``timeout_s``. No wait if nothing has checked recently."""
+        if self.last_check is None or time.monotonic() - self.last_check > timeout_s:
+            return
+        self._checked.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._checked.wait(), timeout=timeout_s)
 
 
 class ConfigReloader:
@@ -141,7 +176,7 @@ async def serve(
         ]
     )
     server.add_generic_rpc_handlers((ExternalProcessor(router).handler(),))
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthService()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(config.listen)
     if port == 0:
@@ -185,9 +220,11 @@ async def serve(
     try:
         await stop.wait()
     finally:
-        # Tell Envoy's health checks first, then let open streams finish.
+        # Tell Envoy's health checks first, keep serving until one has seen it, then
+        # refuse new streams and let open ones finish.
         await health_servicer.enter_graceful_shutdown()
         log.info("router_draining", in_flight=router.in_flight.total())
+        await health_servicer.drain_notice()
         await server.stop(DRAIN_SECONDS)
         for task in background:
             task.cancel()

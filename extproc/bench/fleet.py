@@ -7,6 +7,12 @@ when installed (`pip install envoy-prefix-router[bench]`), the peers vllm-router
 (cache_aware, consistent_hash) and smg (cache_aware). Before each path every instance's
 prefix cache is reset, so each path starts cold.
 
+Two optional measurements per path: the routing overhead (the simulators set to answer at
+once, the same request sent alternately straight to an instance and through the path,
+median of N each) and a closed-loop saturation run (fixed concurrency, the simulators'
+model slowed by ``closed_loop_time_scale`` so the fleet, not this machine's CPU, is the
+bottleneck), whose completions per second are the capacity of path and fleet together.
+
 Time is compressed by ``time_scale``: the simulators' modelled durations and the arrival
 times are both multiplied by it, and measured times are divided by it, so results are in
 model time. Fixed costs that do not scale (Envoy, the router, Python) are inflated by
@@ -17,20 +23,23 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import statistics
 import sys
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import aiohttp
 import httpx
 import structlog
 
 from extproc.bench import report
 from extproc.bench.counters import prefix_counters
-from extproc.bench.loadgen import RequestOutcome, run_open_loop
-from extproc.bench.workloads import WorkloadSpec, describe, generate
+from extproc.bench.loadgen import RequestOutcome, run_closed_loop, run_open_loop
+from extproc.bench.workloads import BenchRequest, WorkloadSpec, describe, generate
 from extproc.control.loadfeed import parse_vllm_metrics
 from extproc.stack.local import LocalStack, StackSpec, start_envoy
 from extproc.stack.processes import ManagedProcess, free_port, free_ports, http_ok, wait_until
@@ -38,6 +47,17 @@ from extproc.stack.processes import ManagedProcess, free_port, free_ports, http_
 log = structlog.get_logger("bench")
 
 OUR_STRATEGIES = ("RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE")
+# PREFIX_AWARE with overflow switched off: no concurrency limit worth the name, no balance
+# bound. The hot-spot workload compares it with the default.
+NO_OVERFLOW = "PREFIX_AWARE-no-overflow"
+OUR_PATHS = {
+    **{strategy: {"routing_strategy": strategy} for strategy in OUR_STRATEGIES},
+    NO_OVERFLOW: {
+        "routing_strategy": "PREFIX_AWARE",
+        "concurrency_threshold": 1024,
+        "balance_factor": None,
+    },
+}
 RING_HASH = "envoy-ring-hash"
 PEERS = {
     "vllm-router-cache-aware": ("vllm-router", "cache_aware"),
@@ -61,6 +81,52 @@ class FleetBenchOptions:
     paths: tuple[str, ...] = (*OUR_STRATEGIES, RING_HASH, *PEERS)
     out_dir: Path | None = Path("docs/benchmarks")
     command: str = ""
+    # Instances started but not published at first (the scale-event benchmark adds them).
+    spare_instances: int = 0
+    # Routing overhead: this many probes per path and per direct call; 0 skips it.
+    overhead_probes: int = 0
+    # Closed-loop saturation run after the open loop, for these paths; 0 clients skips it.
+    closed_loop_concurrency: int = 0
+    closed_loop_requests: int = 300
+    closed_loop_time_scale: float = 4.0
+    closed_loop_time_limit_s: float = 90.0
+    # Not every path: each saturation run takes about a minute of wall time.
+    closed_loop_paths: tuple[str, ...] = ("RANDOM", "PREFIX_AWARE", RING_HASH)
+
+
+def default_paths(workload: str) -> tuple[str, ...]:
+    """Every path; the hot spot adds PREFIX_AWARE without overflow, to show what it buys."""
+    paths = FleetBenchOptions.paths
+    if workload == "hot-spot":
+        at = paths.index("PREFIX_AWARE") + 1
+        paths = (*paths[:at], NO_OVERFLOW, *paths[at:])
+    return paths
+
+
+# The hot spot sends ~8 requests/s of one cached document to one instance. A 70B instance
+# with vLLM's default of 256 sequences serves that easily (see engine.py), so no instance
+# would be overloaded at this machine's request rates; with at most 16 sequences at once
+# (a memory-tight long-context deployment) one instance decodes ~7.5 such requests/s, and
+# the hot one queues unless its traffic overflows.
+HOT_SPOT_SIM_ARGS = ("--max-num-seqs", "16")
+
+
+def default_sim_args(workload: str) -> tuple[str, ...]:
+    extra = HOT_SPOT_SIM_ARGS if workload == "hot-spot" else ()
+    return (*FleetBenchOptions.sim_args, *extra)
+
+
+@dataclass
+class ClosedLoopResult:
+    """A saturation run: requests completed per second of model time."""
+
+    concurrency: int
+    completed: int
+    failed: int
+    requests_per_s: float
+    tokens_per_s: float
+    hit_rate: float
+    ttft_p50_ms: float
 
 
 @dataclass
@@ -73,6 +139,8 @@ class PathResult:
     overflow_rate: float | None = None
     skipped: str | None = None
     shares: dict[str, float] = field(default_factory=dict)
+    overhead_ms: float | None = None  # p50 added over the direct call, zero-latency backend
+    closed_loop: ClosedLoopResult | None = None
 
     def ttfts_ms(self) -> list[float]:
         return sorted(o.ttft_s * 1000 / self.time_scale for o in self.outcomes if o.ok and o.ttft_s)
@@ -133,17 +201,19 @@ class Fleet:
     def __init__(self, options: FleetBenchOptions, work: Path) -> None:
         self.options = options
         self.work = work
-        hosts = [f"127.0.0.{31 + i}" for i in range(options.instances)]
+        hosts = [f"127.0.0.{31 + i}" for i in range(options.instances + options.spare_instances)]
         port = free_port(hosts[0])
-        self.addresses = [f"{h}:{port}" for h in hosts]
+        self.all_addresses = [f"{h}:{port}" for h in hosts]  # every simulator started
+        self.addresses = self.all_addresses[: options.instances]  # the fleet at first
         self.sim: ManagedProcess | None = None
         self.stack: LocalStack | None = None
         self.ring_hash_url: str | None = None
+        self.ring_hash_admin_url: str | None = None
         self._extra: list[ManagedProcess] = []
 
     def start(self) -> None:
         args = ["sim", "--timing", "model", "--time-scale", str(self.options.time_scale)]
-        for address in self.addresses:
+        for address in self.all_addresses:
             args += ["--address", address]
 
         self.sim = ManagedProcess(
@@ -151,7 +221,7 @@ class Fleet:
             [sys.executable, "-m", "extproc", *args, *self.options.sim_args],
             self.work / "sims.log",
         ).start()
-        for address in self.addresses:
+        for address in self.all_addresses:
             wait_until(lambda a=address: http_ok(f"http://{a}/health"), 60, address, self.sim)
         backends = tuple((a.split(":")[0], int(a.split(":")[1])) for a in self.addresses)
         spec = StackSpec.ephemeral(
@@ -180,6 +250,13 @@ class Fleet:
             "the fleet in the baseline Envoy",
         )
         self.ring_hash_url = f"http://127.0.0.1:{listen}"
+        self.ring_hash_admin_url = f"http://127.0.0.1:{admin}"
+
+    def set_time_scale(self, value: float) -> None:
+        """Every simulator's time_scale, changed at run time (sim-only endpoint)."""
+        for address in self.all_addresses:
+            response = httpx.post(f"http://{address}/sim/time_scale", json={"time_scale": value})
+            response.raise_for_status()
 
     def start_peer(self, name: str) -> str | None:
         binary, policy = PEERS[name]
@@ -211,26 +288,117 @@ class Fleet:
             self.sim.stop()
 
 
-def run_path(fleet: Fleet, path: str, requests: list) -> PathResult:  # type: ignore[type-arg]
+def path_url(fleet: Fleet, path: str) -> str | None:
+    """Switch to ``path`` (our router by config hot reload; a peer by starting it) and
+    return its base URL; None when the peer is not installed."""
+    stack = fleet.stack
+    assert stack is not None
+    if path in OUR_PATHS:
+        applied = 'prefix_router_config_reloads_total{result="applied"}'
+        before = stack.router_metric(applied) or 0
+        config = stack.router_config_path()
+        old = config.read_text() if config.exists() else None
+        if stack.write_router_config(**OUR_PATHS[path]).read_text() != old:
+            wait_until(lambda: (stack.router_metric(applied) or 0) > before, 10, path)
+        return stack.url
+    if path == RING_HASH:
+        return fleet.ring_hash_url
+    if path in PEERS:
+        return fleet.start_peer(path)
+    raise ValueError(f"unknown path {path!r}")
+
+
+def _probe_body(requests: list[BenchRequest]) -> dict:  # type: ignore[type-arg]
+    return {**requests[0].body, "max_tokens": 1, "stream": False}
+
+
+async def _probe_pairs(
+    direct: str,
+    routed: str,
+    body: dict[str, object],
+    headers: dict[str, str],
+    probes: int,
+) -> list[float]:
+    """Seconds each back-to-back (direct, routed) pair differs by, after 3 warm-up pairs."""
+    added = []
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for index in range(probes + 3):
+            took = []
+            for target in (direct, routed):
+                started = time.perf_counter()
+                async with session.post(target, json=body, headers=headers) as response:
+                    await response.read()
+                    response.raise_for_status()
+                took.append(time.perf_counter() - started)
+            if index >= 3:  # the first rounds warm connections up
+                added.append(took[1] - took[0])
+    return added
+
+
+def measure_overhead(fleet: Fleet, url: str, body: dict, probes: int) -> float:  # type: ignore[type-arg]
+    """Median over pairs of (latency through ``url`` minus latency straight to an instance),
+    with the simulators answering at once; each pair is sent back to back, after a warm-up."""
+    options = fleet.options
+    fleet.set_time_scale(0.0)
+    direct = f"http://{fleet.addresses[0]}/v1/chat/completions"
+    routed = f"{url}/v1/chat/completions"
+    headers = {SESSION_HEADER: "overhead-probe"}
+    try:
+        added = asyncio.run(_probe_pairs(direct, routed, body, headers, probes))
+    finally:
+        fleet.set_time_scale(options.time_scale)
+    return statistics.median(added) * 1000
+
+
+def run_closed(fleet: Fleet, url: str, requests: list[BenchRequest]) -> ClosedLoopResult:
+    """A saturation run: the model slowed to closed_loop_time_scale, fixed concurrency."""
+    options = fleet.options
+    scale = options.closed_loop_time_scale
+    reset_caches(fleet.addresses)
+    fleet.set_time_scale(scale)
+    try:
+        queries_before, hits_before = prefix_counters(fleet.addresses)
+        outcomes, wall = asyncio.run(
+            run_closed_loop(
+                f"{url}/v1/chat/completions",
+                requests[: options.closed_loop_requests],
+                options.closed_loop_concurrency,
+                options.closed_loop_time_limit_s,
+            )
+        )
+        queries, hits = prefix_counters(fleet.addresses)
+    finally:
+        reset_caches(fleet.addresses)  # waits for idle first
+        fleet.set_time_scale(options.time_scale)
+    ok = [o for o in outcomes if o.ok]
+    model_s = wall / scale if wall else float("inf")
+    ttfts = sorted(o.ttft_s * 1000 / scale for o in ok if o.ttft_s)
+    return ClosedLoopResult(
+        concurrency=options.closed_loop_concurrency,
+        completed=len(ok),
+        failed=len(outcomes) - len(ok),
+        requests_per_s=len(ok) / model_s,
+        tokens_per_s=sum(o.output_tokens for o in ok) / model_s,
+        hit_rate=(hits - hits_before) / max(1.0, queries - queries_before),
+        ttft_p50_ms=ttfts[len(ttfts) // 2] if ttfts else float("nan"),
+    )
+
+
+def run_path(fleet: Fleet, path: str, requests: list[BenchRequest]) -> PathResult:
     options = fleet.options
     stack = fleet.stack
     assert stack is not None
-    url: str | None
     decisions_before = overflows_before = 0.0
-    if path in OUR_STRATEGIES:
-        applied = 'prefix_router_config_reloads_total{result="applied"}'
-        before = stack.router_metric(applied) or 0
-        stack.write_router_config(routing_strategy=path)
-        wait_until(lambda: (stack.router_metric(applied) or 0) > before, 10, path)
-        url = stack.url
+    url = path_url(fleet, path)
+    if url is None:
+        return PathResult(path, [], 0.0, options.time_scale, 0.0, skipped="not installed")
+    overhead_ms = None
+    if options.overhead_probes:
+        overhead_ms = measure_overhead(fleet, url, _probe_body(requests), options.overhead_probes)
+    if path in OUR_PATHS:
         decisions_before = _router_counter(stack, "prefix_router_decisions_total")
         overflows_before = _router_counter(stack, "prefix_router_overflows_total")
-    elif path == RING_HASH:
-        url = fleet.ring_hash_url
-    else:
-        url = fleet.start_peer(path)
-        if url is None:
-            return PathResult(path, [], 0.0, options.time_scale, 0.0, skipped="not installed")
     reset_caches(fleet.addresses)
     queries_before, hits_before = prefix_counters(fleet.addresses)
     outcomes, wall = asyncio.run(
@@ -247,10 +415,13 @@ def run_path(fleet: Fleet, path: str, requests: list) -> PathResult:  # type: ig
     served = Counter(o.served_by for o in outcomes if o.ok)
     total = sum(served.values()) or 1
     result.shares = {a: served.get(a, 0) / total for a in fleet.addresses}
-    if path in OUR_STRATEGIES:
+    result.overhead_ms = overhead_ms
+    if path in OUR_PATHS:
         decisions = _router_counter(stack, "prefix_router_decisions_total") - decisions_before
         overflows = _router_counter(stack, "prefix_router_overflows_total") - overflows_before
         result.overflow_rate = overflows / decisions if decisions else 0.0
+    if options.closed_loop_concurrency and path in options.closed_loop_paths:
+        result.closed_loop = run_closed(fleet, url, requests)
     log.info(
         "bench.path",
         path=path,
@@ -289,7 +460,7 @@ def write_report(options: FleetBenchOptions, results: list[PathResult], count: i
     rows = []
     for r in results:
         if r.skipped:
-            rows.append([r.path, f"skipped: {r.skipped}", *[""] * 11])
+            rows.append([r.path, f"skipped: {r.skipped}", *[""] * 12])
             continue
         shares = [s for s in r.shares.values()]
         rows.append(
@@ -307,12 +478,13 @@ def write_report(options: FleetBenchOptions, results: list[PathResult], count: i
                 _ratio(r.percentile(0.5), base.percentile(0.5)) if base else "",
                 _ratio(r.percentile(0.9), base.percentile(0.9)) if base else "",
                 _ratio(r.requests_per_s, base.requests_per_s) if base else "",
+                "" if r.overhead_ms is None else f"{r.overhead_ms:+.2f}",
             ]
         )
     table = report.markdown_table(
         ["path", "TTFT p50 (ms)", "p90", "p99", "req/s", "output tok/s", "hit rate",
          "per-instance share", "overflow", "failed", "p50 vs RANDOM", "p90 vs RANDOM",
-         "req/s vs RANDOM"],
+         "req/s vs RANDOM", "routing overhead p50 (ms)"],
         rows,
     )  # fmt: skip
     text = f"""# Fleet benchmark: {name}
@@ -325,7 +497,7 @@ each path). Times are model time (see below).
 
 ![TTFT CDF]({name}-ttft.png)
 ![hit rate and share]({name}-share.png)
-
+{_extra_sections(options, results)}
 ## Workload
 
 {describe(options.workload)}
@@ -355,6 +527,116 @@ each path). Times are model time (see below).
     path.write_text(text)
     _plot(results, options, name)
     return path
+
+
+def _extra_sections(options: FleetBenchOptions, results: list[PathResult]) -> str:
+    return (
+        _hot_spot_section(options, results)
+        + _overhead_section(options, results)
+        + _closed_loop_section(options, results)
+    )
+
+
+def _hot_spot_section(options: FleetBenchOptions, results: list[PathResult]) -> str:
+    by_path = {r.path: r for r in results if not r.skipped}
+    on, off = by_path.get("PREFIX_AWARE"), by_path.get(NO_OVERFLOW)
+    if options.workload.name != "hot-spot" or on is None or off is None:
+        return ""
+    rows = [
+        [f"TTFT p{round(q * 100)} (ms)", f"{on.percentile(q):.0f}", f"{off.percentile(q):.0f}",
+         _ratio(on.percentile(q), off.percentile(q))]
+        for q in (0.5, 0.9, 0.99)
+    ]  # fmt: skip
+    rows.append(
+        ["hit rate", f"{on.hit_rate:.1%}", f"{off.hit_rate:.1%}",
+         f"{(on.hit_rate - off.hit_rate) * 100:+.1f} points"]
+    )  # fmt: skip
+    rows.append(
+        ["busiest instance's share", f"{max(on.shares.values()):.1%}",
+         f"{max(off.shares.values()):.1%}", ""]
+    )  # fmt: skip
+    rows.append(["overflow", f"{on.overflow_rate or 0:.1%}", f"{off.overflow_rate or 0:.1%}", ""])
+    table = report.markdown_table(
+        ["", "PREFIX_AWARE (overflow on)", NO_OVERFLOW, "on vs off"], rows
+    )
+    hot_rate = options.workload.rate_per_s * options.workload.hot_share
+    return f"""
+## Overflow against the hot spot
+
+One document takes {options.workload.hot_share:.0%} of the requests. `{NO_OVERFLOW}` is
+PREFIX_AWARE with overflow switched off (`concurrency_threshold` 1024, `balance_factor`
+null): every request for the hot document goes to its one home. With the defaults
+(`concurrency_threshold` {options.concurrency_threshold}, `balance_factor` 1.5), a request
+overflows to its key's next host once its home has 1.5 times the fleet's mean load in
+flight (never below 2), so the hot document is served, and cached, by a few instances.
+
+{table}
+
+The simulated instances run with `{" ".join(HOT_SPOT_SIM_ARGS)}`. A 70B instance with
+vLLM's default of 256 sequences decodes far more than the hot document's ~{hot_rate:g}
+requests/s (see `extproc/sim/engine.py`), so at the request rates this machine can drive no
+instance would be overloaded. With at most 16 sequences at once (a memory-tight
+long-context deployment) and decode steps that grow with the batch's context
+(`attention_ms_per_kv_token`), one instance serves ~7.5 such requests/s, and the hot
+document's home queues unless its traffic overflows.
+"""
+
+
+def _overhead_section(options: FleetBenchOptions, results: list[PathResult]) -> str:
+    if not options.overhead_probes:
+        return ""
+    return f"""
+**Routing overhead** (last column): before its run, each path is probed with the simulators
+set to answer at once (`POST /sim/time_scale` 0): the workload's first request (one whole
+document, `max_tokens` 1, not streamed), {options.overhead_probes} times through the path and
+{options.overhead_probes} times straight to one instance, in back-to-back pairs after 3
+warm-up pairs; the column is the median over pairs of path minus direct, in wall-clock ms
+(not scaled). One client at a time, on the same 2 shared cores as every proxy and the
+simulators, beside other work: differences under ~0.5 ms are noise.
+"""
+
+
+def _closed_loop_section(options: FleetBenchOptions, results: list[PathResult]) -> str:
+    ran = [r for r in results if r.closed_loop is not None]
+    if not ran:
+        return ""
+    base = next((r.closed_loop for r in ran if r.path == "RANDOM"), None)
+    rows = []
+    for r in ran:
+        c = r.closed_loop
+        assert c is not None
+        rows.append(
+            [
+                r.path,
+                f"{c.requests_per_s:.2f}",
+                f"{c.tokens_per_s:.0f}",
+                _ratio(c.requests_per_s, base.requests_per_s) if base else "",
+                f"{c.hit_rate:.1%}",
+                f"{c.ttft_p50_ms:.0f}",
+                c.completed,
+                c.failed,
+            ]
+        )
+    table = report.markdown_table(
+        ["path", "req/s at saturation", "output tok/s", "req/s vs RANDOM", "hit rate",
+         "TTFT p50 (ms)", "completed", "failed"],
+        rows,
+    )  # fmt: skip
+    return f"""
+## Throughput at saturation (closed loop)
+
+The open loop above offers a fixed rate, below the fleet's capacity, so its req/s is about
+the arrival rate whatever the path. Here {options.closed_loop_concurrency} clients each send
+their next request as soon as the last one ends (the first {options.closed_loop_requests}
+requests of the same schedule, arrival times ignored, at most
+{options.closed_loop_time_limit_s:g} s), so the fleet is saturated and completions per second
+are its capacity under each path. To keep the fleet, not this machine's CPU, the bottleneck,
+the simulators' model runs {options.closed_loop_time_scale:g} times slower than model time
+during these runs (`POST /sim/time_scale`); rates are converted back to model time. Caches
+are reset before each run.
+
+{table}
+"""
 
 
 def _plot(results: list[PathResult], options: FleetBenchOptions, name: str) -> None:

@@ -88,3 +88,36 @@ async def run_open_loop(
 
         outcomes = await asyncio.gather(*(scheduled(r) for r in requests))
         return list(outcomes), loop.time() - start
+
+
+async def run_closed_loop(
+    url: str,
+    requests: Sequence[ScheduledRequest],
+    concurrency: int,
+    time_limit_s: float,
+    timeout_s: float = 300.0,
+) -> tuple[list[RequestOutcome], float]:
+    """``concurrency`` clients, each sending its next request as soon as its last one ends
+    (arrival times ignored), until the requests run out or ``time_limit_s`` has passed.
+    Returns the outcomes of the requests sent, in completion order, and the wall time from
+    the first send to the last completion: at saturation, completions per second are the
+    capacity of the path and the fleet behind it."""
+    if concurrency < 1:
+        raise ValueError("concurrency must be at least 1")
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    pending = iter(requests)
+    outcomes: list[RequestOutcome] = []
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+
+        async def client() -> None:
+            while loop.time() - start < time_limit_s:
+                request = next(pending, None)
+                if request is None:
+                    return
+                outcomes.append(await _one(session, url, request))
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        return outcomes, loop.time() - start

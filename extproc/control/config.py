@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from extproc.config import read_config_file
+from extproc.config import LOG_LEVELS, doc, read_config_file
 from extproc.errors import ConfigError
 from extproc.picker.hosts import parse_host_address
 
@@ -40,10 +40,25 @@ def _addresses(name: str, values: Any) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class HealthSettings:
-    interval_s: float = 1.0
-    timeout_s: float = 0.5
-    unhealthy_threshold: int = 2
-    healthy_threshold: int = 2
+    interval_s: float = field(
+        default=1.0,
+        metadata=doc(
+            "Seconds between health rounds (GET /health and GET /v1/models on every host).",
+            range=(0.05, 300),
+        ),
+    )
+    timeout_s: float = field(
+        default=0.5, metadata=doc("Seconds one probe may take.", range=(0.01, "interval_s"))
+    )
+    unhealthy_threshold: int = field(
+        default=2,
+        metadata=doc(
+            "Failed probes in a row that take a host out of the published set.", range=(1, 100)
+        ),
+    )
+    healthy_threshold: int = field(
+        default=2, metadata=doc("Passed probes in a row that put a host (back) in.", range=(1, 100))
+    )
 
     def __post_init__(self) -> None:
         _number("health.interval_s", self.interval_s, 0.05, 300)
@@ -54,8 +69,15 @@ class HealthSettings:
 
 @dataclass(frozen=True)
 class LoadFeedSettings:
-    interval_s: float = 0.25
-    timeout_s: float = 0.2
+    interval_s: float = field(
+        default=0.25,
+        metadata=doc(
+            "Seconds between scrapes of every published host's /metrics.", range=(0.05, 60)
+        ),
+    )
+    timeout_s: float = field(
+        default=0.2, metadata=doc("Seconds one scrape may take.", range=(0.01, "interval_s"))
+    )
 
     def __post_init__(self) -> None:
         _number("load_feed.interval_s", self.interval_s, 0.05, 60)
@@ -64,21 +86,60 @@ class LoadFeedSettings:
 
 @dataclass(frozen=True)
 class ControlPlaneConfig:
-    listen: str = "127.0.0.1:18000"
-    metrics_listen: str = "127.0.0.1:9103"
-    # The Envoy cluster (and EDS resource) the fleet is published as.
-    cluster: str = "vllm"
-    # Static discovery: hosts as ip:port; the file is re-read when it changes.
-    hosts: tuple[str, ...] = ()
-    # DNS discovery: host:port names, re-resolved on every health round.
-    dns: tuple[str, ...] = ()
-    # Hosts that take no new requests but keep the ones in flight.
-    draining: tuple[str, ...] = ()
-    # Optional locality per host, published in EDS.
-    zones: Mapping[str, str] = field(default_factory=dict)
-    health: HealthSettings = field(default_factory=HealthSettings)
-    load_feed: LoadFeedSettings = field(default_factory=LoadFeedSettings)
-    log_level: str = "info"
+    listen: str = field(
+        default="127.0.0.1:18000",
+        metadata=doc("The xDS address (ADS and plain EDS).", allowed="ip:port"),
+    )
+    metrics_listen: str = field(
+        default="127.0.0.1:9103", metadata=doc("The Prometheus metrics address.", allowed="ip:port")
+    )
+    cluster: str = field(
+        default="vllm",
+        metadata=doc(
+            "The Envoy cluster (and EDS resource) the fleet is published as.",
+            allowed="a non-empty name",
+        ),
+    )
+    hosts: tuple[str, ...] = field(
+        default=(),
+        metadata=doc(
+            "Static discovery: the vLLM hosts. Edits apply without a restart.",
+            allowed="ip:port entries",
+        ),
+    )
+    dns: tuple[str, ...] = field(
+        default=(),
+        metadata=doc(
+            "DNS discovery: names re-resolved on every health round; one name may stand for "
+            "many A records.",
+            allowed="host:port entries",
+        ),
+    )
+    draining: tuple[str, ...] = field(
+        default=(),
+        metadata=doc(
+            "Hosts that take no new requests but finish the ones in flight.",
+            allowed="ip:port entries",
+        ),
+    )
+    zones: Mapping[str, str] = field(
+        default_factory=dict,
+        metadata=doc("Optional locality per host, published in EDS.", allowed="ip:port: zone name"),
+    )
+    health: HealthSettings = field(
+        default_factory=HealthSettings, metadata=doc("Health checking; see below.")
+    )
+    load_feed: LoadFeedSettings = field(
+        default_factory=LoadFeedSettings,
+        metadata=doc("The load feed scraped from vLLM's /metrics; see below."),
+    )
+    log_level: str = field(
+        default="info",
+        metadata=doc(
+            "The lowest level logged (checked when logging starts, not when the file loads).",
+            allowed=", ".join(LOG_LEVELS),
+        ),
+    )
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__

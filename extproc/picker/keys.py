@@ -66,42 +66,59 @@ def _salt_from_headers(headers: Mapping[str, str]) -> tuple[str | None, str | No
     return None, None
 
 
-def _text_of_content(content: Any) -> str:
+def _text_of_content(content: Any, limit: int | None = None) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
+        parts, length = [], 0
         for part in content:
+            if limit is not None and length >= limit:
+                break
             if isinstance(part, dict) and part.get("type") == "text":
                 text = part.get("text")
                 if isinstance(text, str):
                     parts.append(text)
+                    length += len(text)
         return "".join(parts)
     return ""
 
 
-def openai_prompt_text(body: Any) -> str | None:
+def openai_prompt_text(body: Any, limit: int | None = None) -> str | None:
     """The message text a model sees, in order, or None if the body is no known shape.
 
     Chat: each message as ``<role>\\n<text>\\n`` so a role change changes the key.
-    Completions: the ``prompt`` string (or list of strings, or token ids).
+    Completions: the ``prompt`` string (or list of strings, or token ids). With ``limit``,
+    the text may stop once it has ``limit`` characters: a body of 100k tiny messages or
+    prompt items then costs no more than the key needs.
     """
     if not isinstance(body, dict):
         return None
     messages = body.get("messages")
     if isinstance(messages, list):
-        pieces = []
+        pieces, length = [], 0
         for message in messages:
+            if limit is not None and length >= limit:
+                break
             if isinstance(message, dict):
                 role = message.get("role")
                 role_text = role if isinstance(role, str) else ""
-                pieces.append(f"{role_text}\n{_text_of_content(message.get('content'))}\n")
+                content = _text_of_content(message.get("content"), limit)
+                piece = f"{role_text}\n{content}\n"
+                pieces.append(piece)
+                length += len(piece)
         return "".join(pieces)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list):
-        return "\n".join(p if isinstance(p, str) else repr(p) for p in prompt)
+        items, length = [], 0
+        for item in prompt:
+            if limit is not None and length > limit:  # joined so far: length - 1
+                break
+            text = item if isinstance(item, str) else repr(item)
+            items.append(text)
+            length += len(text) + 1
+        return "\n".join(items)
     return None
 
 
@@ -130,7 +147,7 @@ def extract_key(
         parsed = jiter.from_json(body[:PARSE_LIMIT_BYTES], partial_mode="trailing-strings")
     except ValueError:
         parsed = None
-    text = openai_prompt_text(parsed)
+    text = openai_prompt_text(parsed, prefix_length)
     if text is None:
         return RoutingKey(native, KeySource.NATIVE_FALLBACK, salt, None, salt_rejected)
 

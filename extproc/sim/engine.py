@@ -12,10 +12,15 @@ One engine step, after vLLM V1's scheduler:
    (`max_num_seqs`) last and their KV blocks fit. A head that does not fit waits and holds
    back those behind it, as in vLLM.
 3. The step lasts `step_overhead_ms + max(decode_ms_per_token, prefill_ms_per_token x
-   tokens)`, times `time_scale`: a forward pass reads all weights once, a memory-bound floor
-   that a lone decode token pays, and spends compute per token, which a long prefill pays.
-   So prefill cost is proportional to the uncached tokens and a decode step costs
-   `decode_ms_per_token` whatever the batch, which is why batching pays.
+   tokens) + attention_ms_per_kv_token x kv_tokens`, times `time_scale`: a forward pass
+   reads all weights once, a memory-bound floor that a lone decode token pays, and spends
+   compute per token, which a long prefill pays; on top, every decoding sequence reads the
+   KV of its whole context (`kv_tokens` sums prompt plus output so far over the decoding
+   sequences of the step). So prefill cost is proportional to the uncached tokens, batching
+   pays (the weights are read once per step), but a step slows as the batch and its contexts
+   grow, and an instance has a finite decode throughput: one that receives more than it
+   can serve queues. Attention of prefill chunks is folded into `prefill_ms_per_token`, so
+   an idle instance's TTFT (the calibration below) does not depend on this term.
 4. At its end a request whose prefill completed emits its first token (its TTFT), each
    decoding request its next one; those at max_tokens finish and release their blocks.
 
@@ -36,6 +41,12 @@ that benchmark; 8k is taken as 8000 tokens, one step's budget).
 - `prefill_ms_per_token` 0.0294: (270 - 30 - 5) ms / 8000 tokens. About 34k tokens/s,
   i.e. 4.8 PFLOP/s at 2 x 70e9 FLOP per token across 8 H100s: ~60 % of dense BF16 peak,
   plausible for large prefills.
+- `attention_ms_per_kv_token` 2e-5: Llama-3.3-70B keeps 320 KiB of KV per token in BF16
+  (80 layers x 8 KV heads x 128 dims x K and V x 2 bytes), and a decode step reads all of
+  it for every sequence. At ~16 TB/s (60 % of 8 x 3.35 TB/s of H100 HBM) that is 2e-5 ms per
+  context token: 0.16 ms per step for each decoding sequence of an 8k-token context, so 64
+  such sequences stretch a 30 ms step to ~40 ms, the rise of inter-token latency with
+  concurrency that vLLM benchmarks show.
 - `max_batched_tokens` 8192 and `max_num_seqs` 256: vLLM's online-serving token budget and
   its long-standing sequence limit (recent releases allow 1024 sequences on 80 GB GPUs).
 - KV capacity (SimOptions, 10,000 blocks of 16 tokens): about 20 8k prompts. Deliberately
@@ -85,6 +96,7 @@ class EngineConfig:
     decode_ms_per_token: float = 25.0
     step_overhead_ms: float = 5.0
     request_overhead_ms: float = 30.0
+    attention_ms_per_kv_token: float = 2e-5
     max_batched_tokens: int = 8192
     max_num_seqs: int = 256
     time_scale: float = 1.0
@@ -95,16 +107,19 @@ class EngineConfig:
             "decode_ms_per_token",
             "step_overhead_ms",
             "request_overhead_ms",
+            "attention_ms_per_kv_token",
             "time_scale",
         ):
             _require_duration(name, getattr(self, name))
         for name in ("max_batched_tokens", "max_num_seqs"):
             _require_count(name, getattr(self, name))
 
-    def step_seconds(self, tokens: int) -> float:
-        """Wall time of one step computing `tokens` tokens (prefill chunks and decodes)."""
+    def step_seconds(self, tokens: int, kv_tokens: int = 0) -> float:
+        """Wall time of one step computing `tokens` tokens (prefill chunks and decodes) whose
+        decoding sequences hold `kv_tokens` tokens of context between them."""
         forward_ms = max(self.decode_ms_per_token, self.prefill_ms_per_token * tokens)
-        return (self.step_overhead_ms + forward_ms) * self.time_scale / 1000
+        attention_ms = self.attention_ms_per_kv_token * kv_tokens
+        return (self.step_overhead_ms + forward_ms + attention_ms) * self.time_scale / 1000
 
     @property
     def request_overhead_s(self) -> float:
@@ -207,10 +222,15 @@ class Engine:
 
         budget = self.config.max_batched_tokens
         work: list[tuple[EngineRequest, int]] = []
+        kv_tokens = 0  # context the decoding sequences read
         for request in self._running:
             if budget == 0:
                 break
-            tokens = min(request.prefill_left, budget) if request.prefill_left else 1
+            if request.prefill_left:
+                tokens = min(request.prefill_left, budget)
+            else:
+                tokens = 1
+                kv_tokens += request.prompt_tokens + request.output_tokens
             work.append((request, tokens))
             budget -= tokens
 
@@ -230,7 +250,8 @@ class Engine:
         if not work:
             return None
         total = self.config.max_batched_tokens - budget
-        batch = Batch(now, self.config.step_seconds(total), tuple(work), tuple(admitted))
+        duration = self.config.step_seconds(total, kv_tokens)
+        batch = Batch(now, duration, tuple(work), tuple(admitted))
         self._in_flight = batch
         return batch
 

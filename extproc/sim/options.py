@@ -37,6 +37,7 @@ class SimOptions:
     decode_ms_per_token: float = EngineConfig.decode_ms_per_token
     step_overhead_ms: float = EngineConfig.step_overhead_ms
     request_overhead_ms: float = EngineConfig.request_overhead_ms
+    attention_ms_per_kv_token: float = EngineConfig.attention_ms_per_kv_token
     max_batched_tokens: int = EngineConfig.max_batched_tokens
     max_num_seqs: int = EngineConfig.max_num_seqs
 
@@ -73,6 +74,7 @@ class SimOptions:
             decode_ms_per_token=self.decode_ms_per_token,
             step_overhead_ms=self.step_overhead_ms,
             request_overhead_ms=self.request_overhead_ms,
+            attention_ms_per_kv_token=self.attention_ms_per_kv_token,
             max_batched_tokens=self.max_batched_tokens,
             max_num_seqs=self.max_num_seqs,
             time_scale=self.time_scale,

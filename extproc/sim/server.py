@@ -8,6 +8,7 @@ import hashlib
 import json
 import signal
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -220,6 +221,23 @@ class _Instance:
         log.info("sim.prefix_cache_reset", instance=self.name, blocks=dropped)
         return web.Response(status=200)
 
+    async def set_time_scale(self, request: web.Request) -> web.Response:
+        """Sim-only: change time_scale at run time (0 answers at once, for overhead probes).
+
+        Takes effect for requests that arrive and steps that start afterwards; benchmarks
+        change it while the instance is idle."""
+        try:
+            value = json.loads(await request.read())["time_scale"]
+            options = replace(self.options, time_scale=value)
+        except (ValueError, KeyError, TypeError) as error:
+            return _bad_request(f'expected {{"time_scale": number >= 0}}: {error}')
+        self.options = options
+        if self.driver is not None:
+            engine = self.driver.engine
+            engine.config = replace(engine.config, time_scale=options.time_scale)
+        log.info("sim.time_scale", instance=self.name, time_scale=options.time_scale)
+        return _json_response({"time_scale": options.time_scale})
+
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
 
@@ -249,6 +267,7 @@ def build_app(name: str, options: SimOptions) -> web.Application:
     app.router.add_post("/v1/chat/completions", instance.chat)
     app.router.add_post("/v1/completions", instance.completion)
     app.router.add_post("/reset_prefix_cache", instance.reset_prefix_cache)
+    app.router.add_post("/sim/time_scale", instance.set_time_scale)
     app.router.add_get("/health", instance.health)
     app.router.add_get("/v1/models", instance.models)
     app.router.add_get("/metrics", instance.prometheus)

@@ -61,6 +61,10 @@ class BootstrapParams:
     # With ext_proc off: Envoy's own consistent hashing (ring_hash) on this request header,
     # the baseline that needs no ext_proc at all.
     ring_hash_header: str | None = None
+    # Envoy's HTTP connection manager timeouts; None keeps Envoy's defaults (stream idle
+    # 5 min, no whole-request limit). A request that stops sending is then ended by Envoy.
+    stream_idle_timeout_s: float | None = None
+    request_timeout_s: float | None = None
 
 
 def _address(host: str, port: int) -> dict[str, Any]:
@@ -98,6 +102,10 @@ def _router_cluster(params: BootstrapParams) -> dict[str, Any]:
             {
                 "timeout": "0.5s",
                 "interval": "1s",
+                # Envoy does not count ext_proc's gRPC streams as cluster traffic, so
+                # without this it checks only every 60 s (no_traffic_interval's default)
+                # and keeps sending streams to a router that has stopped.
+                "no_traffic_interval": "1s",
                 "unhealthy_threshold": 1,
                 "healthy_threshold": 1,
                 "grpc_health_check": {},
@@ -279,6 +287,16 @@ def build_bootstrap(params: BootstrapParams) -> dict[str, Any]:
         "@type": _TYPE
         + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "ingress",
+        **(
+            {"stream_idle_timeout": f"{params.stream_idle_timeout_s:g}s"}
+            if params.stream_idle_timeout_s is not None
+            else {}
+        ),
+        **(
+            {"request_timeout": f"{params.request_timeout_s:g}s"}
+            if params.request_timeout_s is not None
+            else {}
+        ),
         "route_config": _route_config(params),
         "http_filters": [
             _strip_client_routing_headers(),

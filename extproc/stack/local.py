@@ -119,6 +119,11 @@ class StackSpec:
     sim_args: tuple[str, ...] = ()
     upstream_host_header: bool = True
     buffer_limit_bytes: int = BootstrapParams.buffer_limit_bytes
+    # More router processes on free ports beside ``router``: each is an endpoint of
+    # Envoy's ext_proc cluster (one HTTP/2 connection each).
+    router_replicas: int = 1
+    # Any other BootstrapParams fields (e.g. Envoy's stream timeouts), by name.
+    envoy_settings: dict[str, Any] = field(default_factory=dict)
     work_dir: Path | None = None
 
     @property
@@ -150,9 +155,29 @@ class LocalStack:
         self.work_dir = spec.work_dir or Path(tempfile.mkdtemp(prefix="prefix-router-"))
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.sims: list[ManagedProcess] = []
-        self.router: ManagedProcess | None = None
+        if spec.router_replicas < 1:
+            raise StackError(f"router_replicas must be at least 1, got {spec.router_replicas}")
+        # (gRPC address, metrics address) of each router replica; replica 0 is the spec's.
+        extra = free_ports(2 * (spec.router_replicas - 1))
+        self.router_addresses: list[tuple[tuple[str, int], tuple[str, int]]] = [
+            (spec.router, spec.router_metrics),
+            *(
+                (("127.0.0.1", extra[2 * i]), ("127.0.0.1", extra[2 * i + 1]))
+                for i in range(spec.router_replicas - 1)
+            ),
+        ]
+        self.routers: list[ManagedProcess | None] = [None] * spec.router_replicas
         self.envoy: ManagedProcess | None = None
         self.control_plane: ManagedProcess | None = None
+
+    @property
+    def router(self) -> ManagedProcess | None:
+        """The first router replica (the only one unless ``router_replicas`` > 1)."""
+        return self.routers[0]
+
+    @router.setter
+    def router(self, process: ManagedProcess | None) -> None:
+        self.routers[0] = process
 
     @property
     def url(self) -> str:
@@ -166,7 +191,10 @@ class LocalStack:
 
     @property
     def router_metrics_url(self) -> str:
-        host, port = self.spec.router_metrics
+        return self.replica_metrics_url(0)
+
+    def replica_metrics_url(self, replica: int) -> str:
+        host, port = self.router_addresses[replica][1]
         return f"http://{host}:{port}/metrics"
 
     def _python(self, *args: str) -> list[str]:
@@ -242,57 +270,77 @@ class LocalStack:
             lambda: tcp_open(host, port), READY_TIMEOUT_S, "the control plane", self.control_plane
         )
 
-    def router_config_path(self) -> Path:
-        return self.work_dir / "router.yaml"
+    def _router_name(self, replica: int) -> str:
+        return "router" if replica == 0 else f"router-{replica}"
+
+    def router_config_path(self, replica: int = 0) -> Path:
+        return self.work_dir / f"{self._router_name(replica)}.yaml"
+
+    def router_log_path(self, replica: int = 0) -> Path:
+        return self.work_dir / f"{self._router_name(replica)}.log"
 
     def write_router_config(self, **settings: Any) -> Path:
-        config: dict[str, Any] = {
-            "listen": _join(self.spec.router),
-            "metrics_listen": _join(self.spec.router_metrics),
-        }
-        if self.spec.control_plane is None:
-            config["hosts"] = self.backend_addresses
-        else:
-            config["control_plane"] = _join(self.spec.control_plane)
-        config.update(self.spec.router_settings)
-        config.update(settings)
-        path = self.router_config_path()
-        _write_atomically(path, yaml.safe_dump(config, sort_keys=False))
-        return path
+        """Write every replica's config file (same settings, own addresses); returns the
+        first replica's path."""
+        for replica, (listen, metrics_listen) in enumerate(self.router_addresses):
+            config: dict[str, Any] = {
+                "listen": _join(listen),
+                "metrics_listen": _join(metrics_listen),
+            }
+            if self.spec.control_plane is None:
+                config["hosts"] = self.backend_addresses
+            else:
+                config["control_plane"] = _join(self.spec.control_plane)
+            config.update(self.spec.router_settings)
+            config.update(settings)
+            path = self.router_config_path(replica)
+            _write_atomically(path, yaml.safe_dump(config, sort_keys=False))
+        return self.router_config_path()
 
-    def router_metric(self, name: str) -> float | None:
-        """One unlabelled sample from the router's /metrics, or None."""
-        return scrape_metric(self.router_metrics_url, name)
+    def router_metric(self, name: str, replica: int = 0) -> float | None:
+        """One unlabelled sample from a router replica's /metrics, or None."""
+        return scrape_metric(self.replica_metrics_url(replica), name)
 
-    def start_router(self) -> None:
-        path = self.router_config_path()
+    def start_router(self, replica: int = 0) -> ManagedProcess:
+        """Start one router replica and return once it knows the whole fleet."""
+        path = self.router_config_path(replica)
         if not path.exists():
             self.write_router_config()
-        self.router = ManagedProcess(
-            "router", self._python("router", "--config", str(path)), self.work_dir / "router.log"
+        router = ManagedProcess(
+            self._router_name(replica),
+            self._python("router", "--config", str(path)),
+            self.router_log_path(replica),
         ).start()
+        self.routers[replica] = router
         wait_until(
-            lambda: self.router_metric("prefix_router_hosts") == len(self.spec.backends),
+            lambda: self.router_metric("prefix_router_hosts", replica) == len(self.spec.backends),
             READY_TIMEOUT_S,
-            f"the router to know {len(self.spec.backends)} hosts",
-            self.router,
+            f"{router.name} to know {len(self.spec.backends)} hosts",
+            router,
         )
+        return router
 
-    def stop_router(self) -> None:
-        if self.router is not None:
-            self.router.stop()
+    def start_routers(self) -> None:
+        for replica in range(len(self.routers)):
+            self.start_router(replica)
+
+    def stop_router(self, replica: int = 0) -> None:
+        router = self.routers[replica]
+        if router is not None:
+            router.stop()
 
     def bootstrap_params(self) -> BootstrapParams:
-        return BootstrapParams(
+        params = BootstrapParams(
             mode=self.spec.mode,
             listen=self.spec.listen,
             admin=self.spec.admin,
-            routers=(self.spec.router,),
+            routers=tuple(listen for listen, _ in self.router_addresses),
             backends=self.spec.backends,
             control_plane=self.spec.control_plane,
             upstream_host_header=self.spec.upstream_host_header,
             buffer_limit_bytes=self.spec.buffer_limit_bytes,
         )
+        return replace(params, **self.spec.envoy_settings)
 
     def start_envoy(self) -> None:
         self.envoy = start_envoy("envoy", self.bootstrap_params(), self.work_dir)
@@ -318,7 +366,7 @@ class LocalStack:
         try:
             self.start_sims()
             self.start_control_plane()
-            self.start_router()
+            self.start_routers()
             self.start_envoy()
         except BaseException:
             self.stop()
@@ -326,7 +374,8 @@ class LocalStack:
         return self
 
     def stop(self) -> None:
-        for process in [self.envoy, self.router, self.control_plane, *reversed(self.sims)]:
+        # Routers before Envoy: a draining router waits for Envoy's next health check.
+        for process in [*self.routers, self.envoy, self.control_plane, *reversed(self.sims)]:
             if process is not None:
                 process.stop()
         if self._own_dir:

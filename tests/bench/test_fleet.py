@@ -10,6 +10,10 @@ def test_fleet_benchmark_compares_paths_and_writes_reports(tmp_path):
         workload=spec,
         paths=("RANDOM", "PREFIX_AWARE", "envoy-ring-hash", "smg-cache-aware"),
         out_dir=tmp_path,
+        closed_loop_concurrency=8,
+        closed_loop_requests=16,
+        closed_loop_time_scale=1.0,
+        closed_loop_paths=("RANDOM", "PREFIX_AWARE"),
     )
     results = {r.path: r for r in run(options)}
     assert not any(r.skipped for r in results.values())  # the peers are test dependencies
@@ -21,3 +25,7 @@ def test_fleet_benchmark_compares_paths_and_writes_reports(tmp_path):
     assert "| PREFIX_AWARE |" in text and "p50 vs RANDOM" in text
     assert (tmp_path / "long-context-ttft.png").stat().st_size > 10_000
     assert (tmp_path / "long-context-share.png").stat().st_size > 10_000
+    closed = {p: results[p].closed_loop for p in ("RANDOM", "PREFIX_AWARE")}
+    assert all(c is not None and c.completed == 16 and c.failed == 0 for c in closed.values())
+    assert results["smg-cache-aware"].closed_loop is None
+    assert "## Throughput at saturation (closed loop)" in text

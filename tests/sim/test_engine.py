@@ -96,7 +96,31 @@ def test_inter_token_latency_is_one_decode_step() -> None:
     run = simulate(engine(), arrivals)
     itl = (run.finished_at[0] - run.first_token_at[0]) / 10
     expected = (config.step_overhead_ms + config.decode_ms_per_token) / 1000
-    assert itl == pytest.approx(expected)
+    # Plus a few microseconds of attention over a context of 2 + 1..10 tokens.
+    assert itl == pytest.approx(expected, rel=1e-3)
+
+
+def test_decode_steps_slow_down_as_the_batch_and_its_context_grow() -> None:
+    config = EngineConfig()
+    one = simulate(engine(), [(0.0, PROMPT_8K, 11)])
+    many = simulate(engine(), [(0.0, PROMPT_8K, 11)] + [(0.0, text(8000, "q"), 11)] * 63)
+    itl_one = (one.finished_at[0] - one.first_token_at[0]) / 10
+    # The last to start decodes while all the others decode too (their prefills are done).
+    itl_many = min(many.finished_at[i] - many.first_token_at[i] for i in range(64)) / 10
+    # 64 sequences of ~8k tokens read ~512k tokens of KV per step: ~10 ms more than one.
+    extra_ms = config.attention_ms_per_kv_token * 63 * 8005
+    assert itl_many - itl_one == pytest.approx(extra_ms / 1000, rel=0.1)
+    assert itl_one == pytest.approx(0.030 + 0.16e-3, rel=0.01)
+
+
+def test_an_instance_offered_more_than_its_decode_throughput_queues() -> None:
+    # One cached 8k prompt asked 60 times a second for 64 tokens each: the batch grows until
+    # the steps (30 ms + 0.16 ms per sequence) serve fewer requests than arrive.
+    config = EngineConfig(max_num_seqs=64)
+    arrivals = [(i / 60, PROMPT_8K + f"q{i:04d}", 64) for i in range(240)]
+    run = simulate(engine(**config.__dict__), arrivals)
+    assert run.max_waiting > 20
+    assert run.ttft(239) > 10 * run.ttft(1)
 
 
 @settings(max_examples=30, deadline=None)
@@ -219,7 +243,13 @@ def test_schedule_and_complete_must_alternate() -> None:
 
 @pytest.mark.parametrize(
     "field_name",
-    ["prefill_ms_per_token", "decode_ms_per_token", "step_overhead_ms", "time_scale"],
+    [
+        "prefill_ms_per_token",
+        "decode_ms_per_token",
+        "step_overhead_ms",
+        "attention_ms_per_kv_token",
+        "time_scale",
+    ],
 )
 def test_config_rejects_negative_durations_by_name(field_name: str) -> None:
     with pytest.raises(ValueError, match=field_name):

@@ -608,3 +608,21 @@ def test_capacity_default_follows_the_timing() -> None:
 def test_model_options_reject_bad_values_by_field(overrides: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SimOptions(**overrides)
+
+
+@pytest.mark.parametrize("timing", ["fixed", "model"])
+async def test_time_scale_can_change_at_run_time(
+    start: Start, session: aiohttp.ClientSession, timing: str
+) -> None:
+    prompt = "z" * (PROMPT_8K_TOKENS * 4)
+    delays = {"ttft_ms": 300.0} if timing == "fixed" else {}
+    async with start(timing=timing, time_scale=1.0, **delays) as base:
+        async with session.post(f"{base}/sim/time_scale", json={"time_scale": 0}) as resp:
+            assert resp.status == 200 and (await resp.json()) == {"time_scale": 0}
+        assert await streamed_ttft(session, base, prompt) < 0.1  # modelled ~0.27 s at scale 1
+        for bad in ({"time_scale": -1}, {"scale": 1}, {"time_scale": "x"}):
+            async with session.post(f"{base}/sim/time_scale", json=bad) as resp:
+                assert resp.status == 400
+        async with session.post(f"{base}/sim/time_scale", json={"time_scale": 1.0}) as resp:
+            assert resp.status == 200
+        assert await streamed_ttft(session, base, prompt + "y" * 64) >= 0.058

@@ -37,6 +37,7 @@ def test_model_flags_reach_the_options(monkeypatch: pytest.MonkeyPatch) -> None:
         *("--timing", "model", "--time-scale", "0.1", "--prefill-ms-per-token", "0.05"),
         *("--decode-ms-per-token", "30", "--step-overhead-ms", "2"),
         *("--request-overhead-ms", "10", "--max-batched-tokens", "4096"),
+        *("--attention-ms-per-kv-token", "0.001"),
         *("--max-num-seqs", "64", "--block-size", "32", "--capacity-blocks", "500"),
     )
     assert options == SimOptions(
@@ -46,6 +47,7 @@ def test_model_flags_reach_the_options(monkeypatch: pytest.MonkeyPatch) -> None:
         decode_ms_per_token=30.0,
         step_overhead_ms=2.0,
         request_overhead_ms=10.0,
+        attention_ms_per_kv_token=0.001,
         max_batched_tokens=4096,
         max_num_seqs=64,
         block_size_tokens=32,

@@ -1,0 +1,24 @@
+"""`prefix-router bench --workload long-context --quick` end to end, through the CLI: our
+router, the ring_hash baseline and a peer (a test dependency), with overhead probes. About
+75 s here; test_fleet.py covers the closed loop."""
+
+import subprocess
+import sys
+
+PATHS = "RANDOM,PREFIX_AWARE,envoy-ring-hash,smg-cache-aware"
+
+
+def test_quick_long_context_through_the_cli(tmp_path):
+    argv = [
+        sys.executable, "-m", "extproc", "bench", "--workload", "long-context", "--quick",
+        "--out", str(tmp_path), "--paths", PATHS, "--overhead-probes", "5",
+    ]  # fmt: skip
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("failed 0") == len(PATHS.split(","))
+    text = (tmp_path / "long-context.md").read_text()
+    assert "--quick" in text and "routing overhead p50 (ms)" in text
+    for path in PATHS.split(","):
+        assert f"| {path} |" in text
+    assert (tmp_path / "long-context-ttft.png").exists()
+    assert (tmp_path / "long-context-share.png").exists()

@@ -1,0 +1,105 @@
+"""The soak and saturation benchmarks end to end, at smoke size, plus their pure parts."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from extproc.bench import lua, probes, saturation, soak, stream_leak
+from extproc.bench.saturation import SaturationOptions, top_frames
+from extproc.bench.soak import SoakOptions
+
+needs_wrk = pytest.mark.skipif(
+    shutil.which("wrk") is None and not os.environ.get("CI"),
+    reason="wrk is not installed (apt-get install wrk); CI installs it and never skips",
+)
+
+
+def test_top_frames_counts_components_innermost_frames_and_router_functions():
+    collapsed = "\n".join(
+        [
+            "0x7f (libc.so.6);main (extproc/cli.py);process (extproc/adapter/service.py);"
+            "route (extproc/adapter/routing.py) 6",
+            "main (extproc/cli.py);process (extproc/adapter/service.py);"
+            "_handle_rpc (grpc/_cython/cygrpc.so) 2",
+            "main (extproc/cli.py);select (selectors.py) 1",
+            "start_thread (libc.so.6);sendmsg (libc.so.6) 1",
+            "garbage line",
+        ]
+    )
+    frames = top_frames(collapsed)
+    assert frames["self"][0] == ("route (extproc/adapter/routing.py)", 0.6)
+    assert dict(frames["categories"]) == {
+        "router code (extproc/)": 0.6,
+        "gRPC (grpc.aio, Cython and C core)": 0.2,
+        "waiting (epoll, poll, condition variables)": 0.1,
+        "gRPC core threads (native code only)": 0.1,
+    }
+    inclusive = dict(frames["router_inclusive"])
+    assert inclusive["process (extproc/adapter/service.py)"] == 0.8
+    assert "main (extproc/cli.py)" not in inclusive
+    assert frames["samples"] == [("total", 10)]
+    assert top_frames("")["samples"] == []
+
+
+def test_probes_read_this_process():
+    assert probes.rss_bytes(os.getpid()) > 1_000_000
+    assert probes.cpu_seconds(os.getpid()) > 0
+
+
+def test_scripts_number_prefixes_and_pace(tmp_path):
+    text = lua.distinct_prefix_script(tmp_path / "s.lua", 7, 512).read_text()
+    assert "local n = 6" in text and "tenant-" in text
+    paced = lua.paced_script(tmp_path / "p.lua", "/v1/x", [b"{}"], 250).read_text()
+    assert "local interval = 4.0" in paced and "delay = function()" in paced
+
+
+@needs_wrk
+def test_soak_and_saturation_smoke(tmp_path):
+    # Tiny runs: a few seconds of load each. The full sizes are the CLI defaults.
+    soaked = soak.run(
+        SoakOptions(
+            requests=1500,
+            warmup_s=1,
+            segment_s=1,
+            connections=8,
+            leak_probe_streams=0,
+            out_dir=tmp_path,
+        )
+    )
+    assert soaked.requests >= 1500
+    assert soaked.errors == 0
+    # Accounting returns to zero once the load stops: nothing leaked in flight.
+    assert soaked.in_flight_end == 0
+    assert soaked.final_state["open_streams"] == 0
+    assert soaked.final_state["in_flight_series"] <= 3  # one per backend at most
+    assert soaked.final_state["router_hosts"] == 3
+    assert set(soaked.growth) == {"router", "control_plane", "envoy"}
+    assert soaked.decisions >= soaked.requests
+    assert len(soaked.segments) >= 2 and len(soaked.rss) >= 2
+
+    found = saturation.run(
+        SaturationOptions(
+            rates=(100,), duration_s=1, rounds=1, profile_s=1, connections=8, out_dir=tmp_path
+        )
+    )
+    assert {s["path"] for s in found.steps} == {"envoy", "1 router", "2 routers"}
+    assert all(s["errors"] == 0 and s["achieved_rps"] > 50 for s in found.steps)
+    assert set(found.max_rate) == {"1 router", "2 routers"}
+    assert found.in_flight_end == {"router-0": 0, "router-1": 0}
+    assert "self" in found.profile or "skipped" in found.profile
+
+    # One page holds both results; each benchmark kept the other's section.
+    page = (tmp_path / "reliability.md").read_text()
+    assert "## Soak:" in page and "## Saturation:" in page
+    assert json.loads((tmp_path / "reliability-soak.json").read_text())["in_flight_end"] == 0
+    for plot in ("reliability-soak.png", "reliability-saturation.png"):
+        assert (tmp_path / plot).stat().st_size > 10_000
+
+
+def test_stream_leak_probe_measures_both_endings():
+    # Smoke size only: telling a leak from noise takes ~20k streams (see the module).
+    for ending in ("close", "reset"):
+        per_stream = stream_leak.growth_per_stream(ending, streams=200, warmup=100)
+        assert isinstance(per_stream, float)

@@ -1,0 +1,70 @@
+"""Stack specs and probes shared by the reliability tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import httpx
+
+from extproc.bench.fleet_events import document
+from extproc.stack.local import LocalStack, StackSpec
+from extproc.stack.processes import wait_until
+
+from .steady import CHAT, chat
+
+# Health checks every 0.2 s: a dead host leaves in under a second, a new one joins in one.
+FAST_CONTROL_PLANE = {
+    "health": {
+        "interval_s": 0.2,
+        "timeout_s": 0.15,
+        "unhealthy_threshold": 2,
+        "healthy_threshold": 1,
+    },
+    "load_feed": {"interval_s": 0.1, "timeout_s": 0.08},
+}
+# No overflow at this traffic level, so a prefix's host is a pure function of the host
+# set and placements can be compared exactly while background traffic runs.
+PINNED_ROUTING = {"concurrency_threshold": 64, "balance_factor": None, "prefix_length": 4096}
+SIM_ARGS = ("--ttft-ms", "0", "--itl-ms", "20")
+
+
+def reliability_spec(backends: int = 3, **overrides: Any) -> StackSpec:
+    settings: dict[str, Any] = {
+        "sim_args": SIM_ARGS,
+        "router_settings": PINNED_ROUTING,
+        "control_plane_settings": FAST_CONTROL_PLANE,
+        **overrides,
+    }
+    return StackSpec.ephemeral(backends, **settings)
+
+
+def placements(stack: LocalStack, docs: Iterable[int]) -> dict[int, str]:
+    """Where each document's prefix is served now, by the backend's own x-served-by."""
+    result = {}
+    with httpx.Client(base_url=stack.url, timeout=10) as client:
+        for doc in docs:
+            response = client.post(CHAT, json=chat(document(doc)))
+            assert response.status_code == 200, (doc, response.status_code, response.text[:200])
+            result[doc] = response.headers["x-served-by"]
+    return result
+
+
+def wait_for_fleet(stack: LocalStack, expected: set[str], timeout: float = 15) -> None:
+    """Until Envoy's cluster and every router replica hold exactly ``expected``."""
+    wait_until(lambda: stack.envoy_hosts() == expected, timeout, f"envoy hosts {expected}")
+    for replica in range(len(stack.routers)):
+        wait_until(
+            lambda r=replica: stack.router_metric("prefix_router_hosts", r) == len(expected),
+            timeout,
+            f"router {replica} to know {len(expected)} hosts",
+        )
+
+
+def rss_kib(pid: int) -> int:
+    """Resident set size of a process, from /proc."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for pid {pid}")

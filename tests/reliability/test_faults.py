@@ -1,0 +1,182 @@
+"""Single faults under steady traffic (~50 req/s through the real Envoy): a backend, the
+router, the control plane, scaling and config reloads. Each test counts the requests the
+routing layer failed (a 5xx or no response, with no backend's x-served-by): zero.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from extproc.stack.local import LocalStack
+from extproc.stack.processes import wait_until
+
+from .stacks import placements, reliability_spec, wait_for_fleet
+from .steady import SteadyTraffic
+
+pytestmark = pytest.mark.envoy
+
+DOCS = range(40)
+
+
+@pytest.fixture
+def stack():
+    with LocalStack(reliability_spec(3)) as running:
+        yield running
+
+
+def assert_clean(traffic: SteadyTraffic, fleet: set[str], at_least: int) -> None:
+    sent = traffic.sent
+    assert len(sent) >= at_least, traffic.summary()
+    assert traffic.routing_failures == [], traffic.summary()
+    assert traffic.served_outside(fleet) == []
+
+
+def test_sigkilled_backend_is_routed_around_and_rejoins(stack: LocalStack):
+    fleet = set(stack.backend_addresses)
+    before = placements(stack, DOCS)
+    victim, victim_address = stack.sims[0], stack.backend_addresses[0]
+    host, port = stack.spec.backends[0]
+    with SteadyTraffic(stack.url).running() as traffic:
+        traffic.wait_for(50)
+        victim.kill()  # SIGKILL: no goodbye, in-flight connections reset
+        wait_for_fleet(stack, fleet - {victim_address})
+        traffic.wait_for(100)
+        without = placements(stack, DOCS)
+        stack.start_sim(host, port)
+        wait_for_fleet(stack, fleet)
+        traffic.wait_for(100)
+        rejoined = placements(stack, DOCS)
+    for doc in DOCS:
+        if before[doc] == victim_address:
+            assert without[doc] in fleet - {victim_address}
+        else:
+            assert without[doc] == before[doc]  # only the dead host's prefixes moved
+    assert rejoined == before  # the restarted host takes its prefixes back
+    assert_clean(traffic, fleet, 250)
+    # A response already streaming from the host when it died is cut; with max_tokens=1
+    # that window is a few milliseconds, so at most one such request.
+    assert len(traffic.backend_failures) <= 1, traffic.summary()
+
+
+def test_killed_router_fails_open_and_affinity_returns_with_it(stack: LocalStack):
+    fleet = set(stack.backend_addresses)
+    before = placements(stack, DOCS)
+    with SteadyTraffic(stack.url).running() as traffic:
+        traffic.wait_for(50)
+        assert stack.router is not None
+        stack.router.kill()
+        killed_at = time.monotonic()
+        time.sleep(3)  # Envoy's health check marks it down; requests fall back
+        during = traffic.since(killed_at)
+        stack.start_router()
+        # Envoy's 1 s health check brings the router back into its ext_proc cluster.
+        wait_until(lambda: placements(stack, DOCS) == before, 15, "affinity to return")
+        traffic.wait_for(50)
+    assert len(during) >= 50, traffic.summary()
+    assert all(s.status == 200 for s in during), traffic.summary()  # fail open
+    assert_clean(traffic, fleet, 200)
+    assert traffic.backend_failures == []
+
+
+def test_control_plane_outage_of_30s_fails_nothing_and_moves_nothing(stack: LocalStack):
+    fleet = set(stack.backend_addresses)
+    before = placements(stack, DOCS)
+    with SteadyTraffic(stack.url, limit=3000, max_seconds=60).running() as traffic:
+        traffic.wait_for(50)
+        assert stack.control_plane is not None
+        stack.control_plane.kill()
+        time.sleep(15)
+        during = placements(stack, DOCS)
+        assert stack.envoy_hosts() == fleet  # Envoy keeps the last set
+        time.sleep(15)
+        stack.start_control_plane()
+        # Both subscribers reconnect (the router's backoff is at most 2 s).
+        time.sleep(4)
+        wait_for_fleet(stack, fleet)
+        after = placements(stack, DOCS)
+        traffic.wait_for(50)
+    assert during == before == after
+    assert_clean(traffic, fleet, 1000)
+    assert traffic.backend_failures == []
+
+
+def test_scale_3_to_7_to_2_under_load(stack: LocalStack):
+    three = list(stack.backend_addresses)
+    port = stack.spec.backends[0][1]
+    extra = [f"127.0.0.{14 + i}:{port}" for i in range(4)]
+    for address in extra:
+        host, _, extra_port = address.partition(":")
+        stack.launch_sim(host, int(extra_port))
+    before = placements(stack, DOCS)
+    with SteadyTraffic(stack.url).running() as traffic:
+        traffic.wait_for(50)
+        seven = three + extra
+        stack.write_control_plane_config(hosts=seven)
+        wait_for_fleet(stack, set(seven))
+        grown = placements(stack, DOCS)
+        traffic.wait_for(100)
+        two = three[:2]
+        stack.write_control_plane_config(hosts=two)
+        wait_for_fleet(stack, set(two))
+        shrunk = placements(stack, DOCS)
+        traffic.wait_for(100)
+    for doc in DOCS:
+        # Growing moves a prefix only onto a new host; shrinking only off a removed one.
+        assert grown[doc] == before[doc] or grown[doc] in extra
+        assert shrunk[doc] in two
+        if before[doc] in two:
+            assert shrunk[doc] == before[doc]
+    assert len(set(grown.values())) >= 5  # the new hosts took their share
+    assert_clean(traffic, set(three + extra), 250)
+    assert traffic.backend_failures == []
+
+
+def rejected_reloads(stack: LocalStack) -> list[dict]:
+    lines = stack.router_log_path().read_text(errors="replace").splitlines()
+    events = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("event") == "config_reload_rejected":
+            events.append(record)
+    return events
+
+
+def test_router_config_reload_mid_traffic_rejects_an_invalid_edit(stack: LocalStack):
+    fleet = set(stack.backend_addresses)
+    assert stack.router is not None
+    pid = stack.router.popen.pid
+    before = placements(stack, DOCS)
+    with SteadyTraffic(stack.url).running() as traffic:
+        traffic.wait_for(50)
+        # A valid edit applies without a restart (a shorter prefix still separates DOCS).
+        stack.write_router_config(prefix_length=1024)
+        wait_until(lambda: "config_reloaded" in stack.router_log_path().read_text(), 10, "reload")
+        applied = placements(stack, DOCS)
+        # An out-of-range value, with a strategy change that must not sneak in with it.
+        stack.write_router_config(
+            prefix_length=1024, routing_strategy="RANDOM", concurrency_threshold=5000
+        )
+        wait_until(lambda: len(rejected_reloads(stack)) >= 1, 10, "the rejected reload")
+        after_invalid = placements(stack, DOCS)
+        # Broken YAML is rejected the same way.
+        stack.router_config_path().write_text("routing_strategy: [RANDOM\n  prefix_length: {")
+        wait_until(lambda: len(rejected_reloads(stack)) >= 2, 10, "the second rejected reload")
+        after_garbage = placements(stack, DOCS)
+        traffic.wait_for(50)
+    out_of_range, garbage = rejected_reloads(stack)[:2]
+    assert "concurrency_threshold=5000" in out_of_range["error"]
+    assert "1 to 1024" in out_of_range["error"]
+    assert out_of_range["path"] == str(stack.router_config_path())
+    assert "valid YAML" in garbage["error"]
+    # The last good config (PREFIX_AWARE) stayed in force: placements did not scatter.
+    assert after_invalid == applied == after_garbage
+    assert len(set(before.values())) == 3
+    assert stack.router.popen.pid == pid and stack.router.running
+    assert_clean(traffic, fleet, 150)
+    assert traffic.backend_failures == []
