@@ -19,7 +19,7 @@ OVERFLOWS = Counter(
 )
 IN_FLIGHT = Gauge(
     "prefix_router_in_flight_requests",
-    "Requests this router has sent to each host that have not finished yet",
+    "Requests this router has sent to each host that have not finished yet (no series: 0)",
     ["host"],
 )
 DECISION_SECONDS = Histogram(

@@ -23,12 +23,14 @@ class InFlight:
 
     def release(self, host: str) -> None:
         count = self._counts.get(host, 0) - 1
-        if count <= 0:
-            self._counts.pop(host, None)
-            count = 0
-        else:
+        if count > 0:
             self._counts[host] = count
-        metrics.IN_FLIGHT.labels(host).set(count)
+            metrics.IN_FLIGHT.labels(host).set(count)
+            return
+        # Idle hosts have no series (absent means 0), so hosts that leave the fleet,
+        # e.g. autoscaled ones with fresh addresses, leave nothing behind.
+        if self._counts.pop(host, None) is not None:
+            metrics.IN_FLIGHT.remove(host)
 
     def snapshot(self) -> Mapping[str, int]:
         """A read-only view: the picker reads it, only acquire/release change it."""
