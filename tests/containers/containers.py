@@ -226,6 +226,21 @@ class ContainerStack:
         for name in list(reversed(self.containers)):
             self.stop_container(name)
 
+    def wait_idle(self) -> None:
+        """Until no simulator runs a request, plus a few load-feed rounds: the feed (and
+        with it overflow) then sees an idle fleet, so placements are the hash's own."""
+
+        def running(host: str) -> float:
+            text = httpx.get(f"http://{host}/metrics", timeout=2).text
+            return sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("vllm:num_requests_running")
+            )
+
+        wait_for(lambda: all(running(host) == 0 for host in self.fleet), "an idle fleet")
+        time.sleep(1.0)  # the control plane scrapes every 0.25 s
+
     def logs(self, name: str) -> str:
         stdout, stderr = self.containers[name].get_logs()
         return (stdout + stderr).decode(errors="replace")

@@ -61,6 +61,7 @@ async def test_overflow_at_the_threshold(stack: ContainerStack):
 
 
 def test_router_restart_fails_open_then_restores_affinity(stack: ContainerStack):
+    stack.wait_idle()  # else the load feed may still overflow a host the last test loaded
     homes = {doc: home_of(stack, doc) for doc in range(8)}
     stack.stop_container("router")
     # Override-host mode: without the router, Envoy falls back to its own balancing.
