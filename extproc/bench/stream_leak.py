@@ -32,15 +32,12 @@ HOSTS = ("127.0.0.11:8000", "127.0.0.12:8000", "127.0.0.13:8000")
 
 
 def _requests(n: int) -> list[messages.ProcessingRequest]:
-    headers = messages.ProcessingRequest()
-    header = headers.request_headers.headers.headers.add()
-    header.key, header.raw_value = "content-type", b"application/json"
-    body = messages.ProcessingRequest()
     text = f"prefix {n} " + "lorem ipsum " * 80
-    body.request_body.body = (
-        '{"model":"m","messages":[{"role":"user","content":"' + text + '"}]}'
-    ).encode()
-    return [headers, body]
+    body = '{"model":"m","messages":[{"role":"user","content":"' + text + '"}]}'
+    return [
+        messages.request_headers({"content-type": "application/json"}),
+        messages.request_body(body.encode(), end_of_stream=False),
+    ]
 
 
 async def _drive(port: int, first: int, count: int, ending: Ending, workers: int = 8) -> None:

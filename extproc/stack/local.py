@@ -27,6 +27,19 @@ from extproc.stack.processes import (
 READY_TIMEOUT_S = 30.0
 
 
+# Control-plane settings for tests and benchmarks that kill and add hosts: health checks
+# every 0.2 s, so a dead host leaves in under a second and a new one joins in one.
+FAST_CONTROL_PLANE: dict[str, Any] = {
+    "health": {
+        "interval_s": 0.2,
+        "timeout_s": 0.15,
+        "unhealthy_threshold": 2,
+        "healthy_threshold": 1,
+    },
+    "load_feed": {"interval_s": 0.1, "timeout_s": 0.08},
+}
+
+
 def _join(address: tuple[str, int]) -> str:
     return f"{address[0]}:{address[1]}"
 

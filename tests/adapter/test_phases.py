@@ -14,6 +14,8 @@ from extproc.adapter.messages import (
     TARGET_HEADER,
     ProcessingRequest,
     ProcessingResponse,
+    request_body,
+    request_headers,
 )
 from extproc.adapter.phases import Phase, RequestStream
 from extproc.adapter.routing import Router
@@ -24,23 +26,6 @@ HOSTS = ("127.0.0.11:8000", "127.0.0.12:8000", "127.0.0.13:8000")
 
 def make_router(**settings) -> Router:
     return Router(RouterConfig(hosts=settings.pop("hosts", HOSTS), **settings), random.Random(7))
-
-
-def headers_message(headers: dict[str, str], end_of_stream: bool = False) -> ProcessingRequest:
-    request = ProcessingRequest()
-    request.request_headers.end_of_stream = end_of_stream
-    for name, value in headers.items():
-        header = request.request_headers.headers.headers.add()
-        header.key = name
-        header.raw_value = value.encode("latin-1")
-    return request
-
-
-def body_message(body: bytes, end_of_stream: bool = True) -> ProcessingRequest:
-    request = ProcessingRequest()
-    request.request_body.body = body
-    request.request_body.end_of_stream = end_of_stream
-    return request
 
 
 def target_header(response: ProcessingResponse, phase: str) -> str:
@@ -64,13 +49,13 @@ def test_headers_are_answered_at_once_and_the_body_carries_the_decision():
     router = make_router()
     stream = RequestStream(router)
     first = stream.on_message(
-        headers_message({":method": "POST", "content-type": "application/json"})
+        request_headers({":method": "POST", "content-type": "application/json"})
     )
     assert first.WhichOneof("response") == "request_headers"
     assert not first.request_headers.response.header_mutation.set_headers
     assert stream.phase is Phase.AWAITING_BODY
 
-    second = stream.on_message(body_message(chat_body("hello " * 400)))
+    second = stream.on_message(request_body(chat_body("hello " * 400)))
     assert second.WhichOneof("response") == "request_body"
     primary = target_header(second, "request_body")
     targets = metadata_targets(second)
@@ -87,7 +72,7 @@ def test_headers_are_answered_at_once_and_the_body_carries_the_decision():
 def test_a_bodyless_request_is_decided_on_its_headers():
     router = make_router()
     stream = RequestStream(router)
-    response = stream.on_message(headers_message({":method": "GET"}, end_of_stream=True))
+    response = stream.on_message(request_headers({":method": "GET"}, end_of_stream=True))
     assert target_header(response, "request_headers") in HOSTS
     assert stream.phase is Phase.DECIDED
 
@@ -97,9 +82,9 @@ def test_same_prefix_same_host_different_tail():
     primaries = set()
     for question in range(20):
         stream = RequestStream(router)
-        stream.on_message(headers_message({}))
+        stream.on_message(request_headers({}))
         body = chat_body("shared document " * 600 + f"question {question}")  # > prefix_length
-        primaries.add(target_header(stream.on_message(body_message(body)), "request_body"))
+        primaries.add(target_header(stream.on_message(request_body(body)), "request_body"))
         stream.close()
     assert len(primaries) == 1
 
@@ -110,8 +95,8 @@ def test_overflow_at_threshold_moves_to_the_next_host():
     streams, primaries = [], []
     for _ in range(5):
         stream = RequestStream(router)
-        stream.on_message(headers_message({}))
-        primaries.append(target_header(stream.on_message(body_message(body)), "request_body"))
+        stream.on_message(request_headers({}))
+        primaries.append(target_header(stream.on_message(request_body(body)), "request_body"))
         streams.append(stream)
     assert primaries[0] == primaries[1] != primaries[2] == primaries[3]
     assert primaries[4] not in primaries[:4]
@@ -124,11 +109,11 @@ def test_out_of_order_messages_are_answered_not_fatal():
     router = make_router()
     stream = RequestStream(router)
     # Body before headers: still routed.
-    response = stream.on_message(body_message(b"raw"))
+    response = stream.on_message(request_body(b"raw"))
     assert target_header(response, "request_body") in HOSTS
     # A second body and duplicate headers get do-nothing answers of their own kind.
-    assert stream.on_message(body_message(b"more")).WhichOneof("response") == "request_body"
-    assert stream.on_message(headers_message({})).WhichOneof("response") == "request_headers"
+    assert stream.on_message(request_body(b"more")).WhichOneof("response") == "request_body"
+    assert stream.on_message(request_headers({})).WhichOneof("response") == "request_headers"
     assert stream.on_message(ProcessingRequest()) is None
     trailers = ProcessingRequest()
     trailers.request_trailers.SetInParent()
@@ -140,8 +125,8 @@ def test_out_of_order_messages_are_answered_not_fatal():
 def test_no_hosts_answers_503_immediately():
     router = make_router(hosts=())
     stream = RequestStream(router)
-    stream.on_message(headers_message({}))
-    response = stream.on_message(body_message(b"{}"))
+    stream.on_message(request_headers({}))
+    response = stream.on_message(request_body(b"{}"))
     assert response.immediate_response.status.code == 503
     stream.close()
 
@@ -158,9 +143,9 @@ def test_any_message_sequence_gets_answers_and_never_leaks_in_flight(sequence):
     stream = RequestStream(router)
     for kind, payload, flag in sequence:
         if kind == "request_headers":
-            request = headers_message({"x-prefix-aware-id": payload.decode("latin-1")}, flag)
+            request = request_headers({"x-prefix-aware-id": payload.decode("latin-1")}, flag)
         elif kind == "request_body":
-            request = body_message(payload, flag)
+            request = request_body(payload, flag)
         elif kind == "empty":
             request = ProcessingRequest()
         else:

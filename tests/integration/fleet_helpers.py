@@ -11,18 +11,8 @@ import httpx
 
 from extproc.bench.fleet_events import document, moved
 from extproc.bench.fleet_events import placements as bench_placements
-from extproc.stack.local import LocalStack, StackSpec
+from extproc.stack.local import FAST_CONTROL_PLANE, LocalStack, StackSpec
 from extproc.stack.processes import wait_until
-
-FAST_CONTROL_PLANE = {
-    "health": {
-        "interval_s": 0.2,
-        "timeout_s": 0.15,
-        "unhealthy_threshold": 2,
-        "healthy_threshold": 1,
-    },
-    "load_feed": {"interval_s": 0.1, "timeout_s": 0.08},
-}
 
 
 def fleet_spec(backends: int = 3, **overrides) -> StackSpec:

@@ -8,21 +8,11 @@ from typing import Any
 import httpx
 
 from extproc.bench.fleet_events import document
-from extproc.stack.local import LocalStack, StackSpec
+from extproc.stack.local import FAST_CONTROL_PLANE, LocalStack, StackSpec
 from extproc.stack.processes import wait_until
 
 from .steady import CHAT, chat
 
-# Health checks every 0.2 s: a dead host leaves in under a second, a new one joins in one.
-FAST_CONTROL_PLANE = {
-    "health": {
-        "interval_s": 0.2,
-        "timeout_s": 0.15,
-        "unhealthy_threshold": 2,
-        "healthy_threshold": 1,
-    },
-    "load_feed": {"interval_s": 0.1, "timeout_s": 0.08},
-}
 # No overflow at this traffic level, so a prefix's host is a pure function of the host
 # set and placements can be compared exactly while background traffic runs.
 PINNED_ROUTING = {"concurrency_threshold": 64, "balance_factor": None, "prefix_length": 4096}

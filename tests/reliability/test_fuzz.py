@@ -30,15 +30,18 @@ from hypothesis import strategies as st
 
 from extproc import metrics
 from extproc.adapter import messages
-from extproc.adapter.messages import ProcessingRequest, ProcessingResponse
+from extproc.adapter.messages import (
+    ProcessingRequest,
+    ProcessingResponse,
+    request_body,
+    request_headers,
+)
 from extproc.adapter.phases import Phase, RequestStream
 from extproc.adapter.routing import Router
 from extproc.adapter.service import ExternalProcessor
 from extproc.config import RouterConfig
 from extproc.picker.hosts import HostSet
 from extproc.picker.keys import MAX_SALT_LENGTH, KeyMode, KeySource, extract_key
-
-from .ext_proc import body_message, headers_message
 
 HOSTS = ("127.0.0.11:8000", "127.0.0.12:8000", "127.0.0.13:8000")
 # One call may parse up to 1 MiB; even on a loaded 2-core machine that is milliseconds.
@@ -258,9 +261,9 @@ MESSAGE_KINDS = (
 
 def build_message(kind: str, body: bytes, headers: dict[str, str]) -> ProcessingRequest:
     if kind in ("headers", "headers_eos"):
-        return headers_message({":method": "POST", **headers}, kind == "headers_eos")
+        return request_headers({":method": "POST", **headers}, kind == "headers_eos")
     if kind in ("body", "body_more"):
-        return body_message(body, kind == "body")
+        return request_body(body, kind == "body")
     request = ProcessingRequest()
     if kind == "trailers":
         request.request_trailers.SetInParent()

@@ -12,13 +12,18 @@ import grpc
 import httpx
 import pytest
 
-from extproc.adapter.messages import LB_METADATA_KEY, LB_METADATA_NAMESPACE, ProcessingResponse
+from extproc.adapter.messages import (
+    LB_METADATA_KEY,
+    LB_METADATA_NAMESPACE,
+    ProcessingResponse,
+    request_body,
+    request_headers,
+)
 from extproc.adapter.service import SERVICE_NAME
 from extproc.bench.fleet_events import document
 from extproc.stack.local import LocalStack
 from extproc.stack.processes import wait_until
 
-from .ext_proc import body_message, headers_message
 from .stacks import placements, reliability_spec
 from .steady import CHAT, SteadyTraffic, chat
 
@@ -45,8 +50,8 @@ def ask_replica(stack: LocalStack, replica: int, body: bytes) -> list[str]:
             response_deserializer=lambda b: b,
         )
         messages = [
-            headers_message({":method": "POST", "content-type": "application/json"}),
-            body_message(body),
+            request_headers({":method": "POST", "content-type": "application/json"}),
+            request_body(body),
         ]
         responses = list(process(iter(messages), timeout=10))
     answer = ProcessingResponse.FromString(responses[1])
