@@ -10,6 +10,7 @@ import socket
 import sys
 import threading
 import urllib.parse
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -236,10 +237,32 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             options = real_vllm.gpu_options(options)
         results = real_vllm.run(options)
         for result in results:
-            print(f"{result.strategy}: hit rate {result.hit_rate:.3f}")
+            print(
+                f"{result.scenario:14} {result.path:16} hit rate {result.hit_rate:.3f}  "
+                f"share {result.min_share:.0%} to {result.max_share:.0%}"
+            )
         return 0
     if args.workload == "scale-event":
         return _bench_scale_event(args)
+    if args.workload == "sim-vs-vllm":
+        from extproc.bench import sim_vs_vllm
+
+        comparisons = sim_vs_vllm.run(args.out, "prefix-router bench " + " ".join(sys.argv[2:]))
+        for comparison in comparisons:
+            print(f"{comparison.name}: {'identical' if comparison.equal else 'DIFFERENT'}")
+        return 0 if all(c.equal for c in comparisons) else 1
+    if args.workload == "prefix-index":
+        from extproc.bench import prefix_index
+
+        options = prefix_index.PrefixIndexOptions(
+            out_dir=args.out, command="prefix-router bench " + " ".join(sys.argv[2:])
+        )
+        if args.quick:
+            options = replace(options, iterations=200, seeds=(1,), quality_duration_s=10.0)
+        data = prefix_index.run(options)
+        for cost in data["costs"]:
+            print(cost)
+        return 0
     if args.workload in FLEET_WORKLOADS:
         from extproc.bench import fleet
         from extproc.bench.workloads import WorkloadSpec
@@ -266,6 +289,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                 overhead_probes=args.overhead_probes,
                 closed_loop_concurrency=args.closed_loop,
                 closed_loop_requests=24 if args.quick else 300,
+                report_name=args.report_name,
             )
         )
         for result in results:
@@ -571,6 +595,8 @@ def build_parser() -> argparse.ArgumentParser:
             "fleet-events",
             "real-vllm",
             "scale-event",
+            "prefix-index",
+            "sim-vs-vllm",
             "soak",
             "saturation",
             *FLEET_WORKLOADS,
@@ -587,6 +613,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="fleet workloads: compress simulated time by this factor",
     )
     bench.add_argument("--paths", help="fleet workloads: comma-separated subset of paths")
+    bench.add_argument(
+        "--report-name",
+        help="fleet workloads: the report's file name, without .md (default: the workload's)",
+    )
     bench.add_argument(
         "--overhead-probes",
         type=int,

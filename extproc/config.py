@@ -8,9 +8,11 @@ value and the allowed range.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,21 @@ ENV_PREFIX = "PREFIX_ROUTER_"
 PREFIX_LENGTH_RANGE = (1024, 65536)
 CONCURRENCY_THRESHOLD_RANGE = (1, 1024)
 FAILOVER_HOSTS_RANGE = (0, 8)
+BLOCK_BYTES_RANGE = (64, 8192)
+MATCH_DEPTH_RANGE = (65536, 1048576)
+INDEX_MAX_BLOCKS_RANGE = (1024, 16_777_216)
+INDEX_HOST_TOKENS_RANGE = (1024, 1_000_000_000)
+BALANCE_MIN_RANGE = (1, 1024)
+OVERLOAD_COST_RANGE = (0, 100)
+
+
+class PrefixMatch(StrEnum):
+    """How PREFIX_AWARE matches prompts to hosts."""
+
+    # The prefix index: the host holding the longest part of the prompt, block by block.
+    LONGEST = "longest"
+    # SageMaker's behaviour: a hash of the first prefix_length characters (or bytes).
+    FIXED = "fixed"
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -58,7 +75,19 @@ def _check_listen(name: str, value: Any) -> str:
         raise ConfigError(name, value, "an ip:port string with a port from 1 to 65535") from None
 
 
-def _check_enum(name: str, value: Any, enum: type[Strategy] | type[KeyMode]) -> Any:
+def _check_number(name: str, value: Any, bounds: tuple[float, float]) -> float:
+    low, high = bounds
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not low <= value <= high
+    ):
+        raise ConfigError(name, value, f"a number from {low:g} to {high:g}")
+    return float(value)
+
+
+def _check_enum(name: str, value: Any, enum: type[StrEnum]) -> Any:
     try:
         return enum(value)
     except ValueError:
@@ -77,12 +106,79 @@ class RouterConfig:
             "consistent host; RANDOM and LEAST_OUTSTANDING_REQUESTS ignore the prompt."
         ),
     )
+    prefix_match: PrefixMatch = field(
+        default=PrefixMatch.LONGEST,
+        metadata=doc(
+            "How PREFIX_AWARE matches a prompt: longest: the prefix index sends it to the "
+            "host holding the longest part of it, block by block; fixed: SageMaker's "
+            "behaviour, a hash of the first prefix_length characters."
+        ),
+    )
     prefix_length: int = field(
         default=8192,
         metadata=doc(
-            "How much of the prompt forms the routing key: characters of message text "
-            "(openai) or bytes of the raw body (native).",
+            "prefix_match fixed: how much of the prompt forms the routing key: characters "
+            "of message text (openai) or bytes of the raw body (native).",
             range=PREFIX_LENGTH_RANGE,
+        ),
+    )
+    block_bytes: int = field(
+        default=512,
+        metadata=doc(
+            "prefix_match longest: the prompt is hashed in blocks of this many bytes of "
+            "message text (characters, for ASCII); a prompt shorter than one block matches "
+            "nothing.",
+            range=BLOCK_BYTES_RANGE,
+        ),
+    )
+    match_depth_chars: int = field(
+        default=65536,
+        metadata=doc(
+            "prefix_match longest: how deep into the prompt matching goes, in characters "
+            "of message text (openai) or bytes of the raw body (native).",
+            range=MATCH_DEPTH_RANGE,
+        ),
+    )
+    index_max_blocks: int = field(
+        default=262_144,
+        metadata=doc(
+            "prefix_match longest: the prefix index's memory bound, in blocks over all "
+            "hosts (see docs/benchmarks/prefix-index.md for bytes per block).",
+            range=INDEX_MAX_BLOCKS_RANGE,
+        ),
+    )
+    index_host_tokens: int = field(
+        default=1_000_000,
+        metadata=doc(
+            "prefix_match longest: the KV cache size, in tokens, assumed for a host that "
+            "does not publish vllm:cache_config_info.",
+            range=INDEX_HOST_TOKENS_RANGE,
+        ),
+    )
+    chars_per_token: float = field(
+        default=4.0,
+        metadata=doc(
+            "prefix_match longest: characters per token, to size each host's part of the "
+            "index from its KV cache size in tokens.",
+            range=(1, 16),
+        ),
+    )
+    hot_prefix_factor: float = field(
+        default=1.0,
+        metadata=doc(
+            "prefix_match longest: a prefix carried by more than this multiple of one "
+            "host's fair share (1/hosts) of recent requests is hot, and is spread over "
+            "share x hosts / hot_prefix_factor hosts (a shared system prompt: all of them).",
+            range=(0.5, 16),
+        ),
+    )
+    overload_cost: float = field(
+        default=0.25,
+        metadata=doc(
+            "prefix_match longest: what one request in flight beyond the balance bound "
+            "costs a host, as a share of the prompt to prefill: a host holding this much "
+            "more of the prompt than another still wins it at one request over the bound.",
+            range=OVERLOAD_COST_RANGE,
         ),
     )
     concurrency_threshold: int = field(
@@ -96,10 +192,19 @@ class RouterConfig:
     balance_factor: float | None = field(
         default=1.5,
         metadata=doc(
-            "PREFIX_AWARE also overflows a host whose load reaches this multiple of the "
-            "fleet's mean (bounded-load consistent hashing; never below 2 in flight). "
-            "null turns it off.",
+            "PREFIX_AWARE's balance bound: this multiple of the fleet's mean in flight "
+            "(bounded-load consistent hashing, never below balance_min_in_flight). fixed "
+            "overflows a host at its bound; longest charges overload_cost_chars for each "
+            "request beyond it. null turns it off.",
             range=(1.0, 10),
+        ),
+    )
+    balance_min_in_flight: int = field(
+        default=4,
+        metadata=doc(
+            "The balance bound is never below this many requests in flight, so a lightly "
+            "loaded fleet never overflows because a few requests overlap.",
+            range=BALANCE_MIN_RANGE,
         ),
     )
     key_mode: KeyMode = field(
@@ -164,7 +269,26 @@ class RouterConfig:
             _check_enum("routing_strategy", self.routing_strategy, Strategy),
         )
         set_(self, "key_mode", _check_enum("key_mode", self.key_mode, KeyMode))
+        set_(self, "prefix_match", _check_enum("prefix_match", self.prefix_match, PrefixMatch))
         _check_range("prefix_length", self.prefix_length, PREFIX_LENGTH_RANGE)
+        _check_range("block_bytes", self.block_bytes, BLOCK_BYTES_RANGE)
+        _check_range("match_depth_chars", self.match_depth_chars, MATCH_DEPTH_RANGE)
+        _check_range("index_max_blocks", self.index_max_blocks, INDEX_MAX_BLOCKS_RANGE)
+        _check_range("index_host_tokens", self.index_host_tokens, INDEX_HOST_TOKENS_RANGE)
+        _check_range("balance_min_in_flight", self.balance_min_in_flight, BALANCE_MIN_RANGE)
+        set_(
+            self,
+            "overload_cost",
+            _check_number("overload_cost", self.overload_cost, OVERLOAD_COST_RANGE),
+        )
+        set_(
+            self, "chars_per_token", _check_number("chars_per_token", self.chars_per_token, (1, 16))
+        )
+        set_(
+            self,
+            "hot_prefix_factor",
+            _check_number("hot_prefix_factor", self.hot_prefix_factor, (0.5, 16)),
+        )
         _check_range(
             "concurrency_threshold", self.concurrency_threshold, CONCURRENCY_THRESHOLD_RANGE
         )
@@ -207,7 +331,17 @@ class RouterConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}
-_INT_FIELDS = {"prefix_length", "concurrency_threshold", "failover_hosts"}
+_INT_FIELDS = {
+    "prefix_length",
+    "concurrency_threshold",
+    "failover_hosts",
+    "block_bytes",
+    "match_depth_chars",
+    "index_max_blocks",
+    "index_host_tokens",
+    "balance_min_in_flight",
+}
+_FLOAT_FIELDS = {"load_feed_max_age_s", "chars_per_token", "hot_prefix_factor", "overload_cost"}
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
@@ -226,7 +360,7 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
                 values[name] = None if raw.lower() in ("", "none", "null", "off") else float(raw)
             except ValueError:
                 raise ConfigError(name, raw, "a number or off") from None
-        elif name == "load_feed_max_age_s":
+        elif name in _FLOAT_FIELDS:
             try:
                 values[name] = float(raw)
             except ValueError:

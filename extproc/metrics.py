@@ -47,6 +47,28 @@ PROTOCOL_ERRORS = Counter(
     "ext_proc messages that arrived out of order or were of an unexpected kind",
     ["kind"],
 )
+PREFIX_MATCHED = Histogram(
+    "prefix_router_prefix_matched_ratio",
+    "PREFIX_AWARE (longest match): share of the prompt the chosen host already held, as the "
+    "prefix index saw it; the router's estimate of the hit rate",
+    buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0),
+)
+PROMPT_BYTES = Counter(
+    "prefix_router_prompt_bytes",
+    "PREFIX_AWARE (longest match): bytes of prompt routed, up to match_depth_chars",
+)
+MATCHED_BYTES = Counter(
+    "prefix_router_matched_bytes",
+    "PREFIX_AWARE (longest match): of those, the bytes the chosen host already held, as the "
+    "prefix index saw it; matched / prompt is the index's estimate of the hit rate",
+)
+INDEX_BLOCKS = Gauge("prefix_router_index_blocks", "Blocks the prefix index holds, over all hosts")
+INDEX_EVICTED = Counter(
+    "prefix_router_index_evicted_blocks",
+    "Blocks the prefix index forgot, by reason: capacity (LRU, as the engine's cache would), "
+    "host_left, host_reset (restart or cache cleared)",
+    ["reason"],
+)
 STREAMS = Gauge("prefix_router_open_streams", "ext_proc streams open now")
 HOSTS = Gauge("prefix_router_hosts", "Hosts in the set the router places over")
 
@@ -76,6 +98,16 @@ XDS_REQUESTS = Counter(
 XDS_RESPONSES = Counter("prefix_router_cp_xds_responses", "xDS responses sent")
 XDS_NACKS = Counter("prefix_router_cp_xds_nacks", "xDS responses rejected by a client")
 CP_HOSTS = Gauge("prefix_router_cp_hosts", "Hosts known to the control plane, by state", ["state"])
+CP_PLACEMENT_WEIGHT = Gauge(
+    "prefix_router_cp_placement_weight",
+    "Weight new prefixes are placed with, per host, from its cache pressure (1: even)",
+    ["host"],
+)
+CP_PROMPT_RATE = Gauge(
+    "prefix_router_cp_prompt_tokens_per_second",
+    "Prompt tokens each host takes in, smoothed: its cache pressure",
+    ["host"],
+)
 CP_EJECTIONS = Counter("prefix_router_cp_ejections", "Hosts ejected by health checks")
 CP_SCRAPE_FAILURES = Counter(
     "prefix_router_cp_scrape_failures", "Failed /metrics scrapes of vLLM hosts"

@@ -15,11 +15,15 @@ import structlog
 
 from extproc import metrics
 from extproc.adapter.inflight import InFlight
-from extproc.config import RouterConfig
+from extproc.config import PrefixMatch, RouterConfig
 from extproc.control.model import HostLoad
+from extproc.index.popularity import PrefixPopularity, heat_of
+from extproc.index.prefix import IndexSizing, PrefixIndex
+from extproc.picker.affinity import LoadPolicy, decide_prefix
+from extproc.picker.blocks import chain_seed, prompt_blocks
 from extproc.picker.decide import Decision, Outcome, Strategy, decide
 from extproc.picker.hosts import HostSet
-from extproc.picker.keys import extract_key
+from extproc.picker.keys import RoutingKey, extract_key
 from extproc.picker.placement import key_digest
 
 log = structlog.get_logger("router")
@@ -32,9 +36,13 @@ class Router:
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.config = config
+        self._config = config
+        self._policy = load_policy(config)
         self.hosts = HostSet.of(config.hosts)
         self.in_flight = InFlight()
+        self.index = PrefixIndex(index_sizing(config))
+        self._evicted_counted = dict(self.index.evicted)
+        self.popularity = PrefixPopularity()
         self._rng = rng or random.Random()
         self._clock = clock
         self._feed: Mapping[str, HostLoad] = {}
@@ -46,14 +54,50 @@ class Router:
             self.ready.set()
         metrics.HOSTS.set(len(self.hosts))
         metrics.FEED_AGE.set_function(self.feed_age)
+        metrics.INDEX_BLOCKS.set_function(lambda: len(self.index))
+
+    @property
+    def config(self) -> RouterConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: RouterConfig) -> None:
+        """A new config (hot reload): the index starts afresh if what it holds changed."""
+        old, self._config = self._config, config
+        self._policy = load_policy(config)
+        if _index_settings(old) != _index_settings(config):
+            self.index.clear()
+            self.popularity.clear()
+            log.info("prefix_index_cleared", reason="index settings changed")
+        self.index.sizing = index_sizing(config)
+        self.index.resize()
+        self._count_evictions()
+
+    def _count_evictions(self) -> None:
+        for reason, total in self.index.evicted.items():
+            counted = self._evicted_counted.get(reason, 0)
+            if total > counted:
+                metrics.INDEX_EVICTED.labels(reason).inc(total - counted)
+                self._evicted_counted[reason] = total
 
     def set_hosts(self, hosts: HostSet) -> None:
         """Swap in a newly published host set; decisions after this use it."""
         self.hosts = hosts
+        self.index.retain(hosts.addresses)
+        self._count_evictions()
         metrics.HOSTS.set(len(hosts))
         self.ready.set()
 
     def set_feed(self, loads: Mapping[str, HostLoad]) -> None:
+        previous = self._feed
+        for address, load in loads.items():
+            before = previous.get(address)
+            # Counters that went backwards: the engine restarted, its cache is empty.
+            if before is not None and load.prefix_cache_queries < before.prefix_cache_queries:
+                self.index.forget(address)
+                log.info("prefix_index_host_reset", host=address)
+        self.index.set_cache_sizes({a: load.cache_capacity_tokens for a, load in loads.items()})
+        self._count_evictions()
         self._feed = loads
         self._feed_received_at = self._clock()
 
@@ -91,21 +135,30 @@ class Router:
         """
         started = time.perf_counter()
         config = self.config
-        key = extract_key(body, headers, config.key_mode, config.prefix_length)
+        longest = (
+            config.routing_strategy is Strategy.PREFIX_AWARE
+            and config.prefix_match is PrefixMatch.LONGEST
+        )
+        limit = config.match_depth_chars if longest else config.prefix_length
+        key = extract_key(body, headers, config.key_mode, limit)
         metrics.KEY_SOURCES.labels(key.source.value).inc()
         if key.salt_rejected:
             metrics.SALT_REJECTED.labels(key.salt_rejected.split(" ")[0]).inc()
             log.warning("salt_rejected", source=key.salt_rejected)
-        decision = decide(
-            key_digest(key.key, key.salt),
-            self.hosts.serving(key.model),
-            self._loads(config.routing_strategy),
-            config.routing_strategy,
-            config.concurrency_threshold,
-            config.failover_hosts,
-            self._rng.random(),
-            config.balance_factor,
-        )
+        if longest:
+            decision = self._decide_longest(key)
+        else:
+            decision = decide(
+                key_digest(key.key, key.salt),
+                self.hosts.serving(key.model),
+                self._loads(config.routing_strategy),
+                config.routing_strategy,
+                config.concurrency_threshold,
+                config.failover_hosts,
+                self._rng.random(),
+                config.balance_factor,
+                config.balance_min_in_flight,
+            )
         self.in_flight.acquire(decision.primary)
         metrics.DECISIONS.labels(decision.strategy.value, decision.outcome.value).inc()
         if decision.outcome in (Outcome.OVERFLOW, Outcome.SATURATED):
@@ -113,5 +166,84 @@ class Router:
         metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
         return decision
 
+    def _decide_longest(self, key: RoutingKey) -> Decision:
+        """PREFIX_AWARE over the prefix index: look up, decide (pure), then record."""
+        config = self.config
+        blocks = prompt_blocks(
+            key.key, config.block_bytes, chain_seed(key.model, key.salt), key.segments
+        )
+        hosts = self.hosts.serving(key.model)
+        lookup = self.index.lookup(blocks, hosts.addresses)
+        heat = heat_of(self.popularity, blocks, len(hosts), config.hot_prefix_factor)
+        weights = self.placement_weights(hosts)
+        decision = decide_prefix(
+            lookup,
+            heat,
+            hosts,
+            self._loads(Strategy.PREFIX_AWARE),
+            weights,
+            self._policy,
+            config.failover_hosts,
+        )
+        log.debug(
+            "prefix_decision",
+            primary=decision.primary,
+            outcome=decision.outcome.value,
+            blocks=blocks.depth,
+            matched=lookup.matched,
+            popular=heat.depth,
+            replicas=heat.replicas,
+            weights=weights,
+        )
+        self.index.record(decision.primary, lookup)
+        self._count_evictions()
+        self.popularity.observe(blocks.counted)
+        if blocks.length:
+            matched = lookup.depth_on(decision.primary) * blocks.block_bytes
+            metrics.PREFIX_MATCHED.observe(matched / blocks.length)
+            metrics.PROMPT_BYTES.inc(blocks.length)
+            metrics.MATCHED_BYTES.inc(matched)
+        return decision
+
+    def placement_weights(self, hosts: HostSet) -> Mapping[str, float]:
+        """The control plane's placement weights (cache pressure) from a fresh load feed;
+        all equal without one. A host missing from the last round weighs 1."""
+        feed = self._feed
+        if not feed or self.feed_age() > self.config.load_feed_max_age_s:
+            return {}
+        return {
+            h.address: feed[h.address].placement_weight if h.address in feed else 1.0
+            for h in hosts.hosts
+        }
+
     def finish(self, decision: Decision) -> None:
         self.in_flight.release(decision.primary)
+
+
+def load_policy(config: RouterConfig) -> LoadPolicy:
+    return LoadPolicy(
+        config.concurrency_threshold,
+        config.balance_factor,
+        config.balance_min_in_flight,
+        config.overload_cost,
+    )
+
+
+def index_sizing(config: RouterConfig) -> IndexSizing:
+    return IndexSizing(
+        block_bytes=config.block_bytes,
+        max_blocks=config.index_max_blocks,
+        default_host_tokens=config.index_host_tokens,
+        chars_per_token=config.chars_per_token,
+    )
+
+
+def _index_settings(config: RouterConfig) -> tuple[object, ...]:
+    """What the index's entries mean: when one of these changes, they mean nothing."""
+    return (
+        config.routing_strategy,
+        config.prefix_match,
+        config.key_mode,
+        config.block_bytes,
+        config.match_depth_chars,
+    )

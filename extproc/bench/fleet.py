@@ -1,11 +1,13 @@
 """The fleet benchmark: one workload, one fleet of simulated vLLM instances, every routing
 path side by side in one run.
 
-Paths: our Envoy + router with RANDOM, LEAST_OUTSTANDING_REQUESTS and PREFIX_AWARE (switched
-by hot reload, no restart); Envoy's own ring_hash on a session header (no ext_proc); and,
-when installed (`pip install envoy-prefix-router[bench]`), the peers vllm-router
-(cache_aware, consistent_hash) and smg (cache_aware). Before each path every instance's
-prefix cache is reset, so each path starts cold.
+Paths: our Envoy + router with RANDOM, LEAST_OUTSTANDING_REQUESTS and PREFIX_AWARE (longest
+match, the default), PREFIX_AWARE with SageMaker's fixed-length key, and PREFIX_AWARE with two
+router replicas behind the one Envoy; Envoy's own ring_hash on a session header (no
+ext_proc); and, when installed (`pip install envoy-prefix-router[bench]`), the peers
+vllm-router (cache_aware, consistent_hash) and smg (cache_aware). Before each path every
+instance's prefix cache is reset, and before each of ours the routers restart with the
+path's settings, so each path starts cold, prefix index included.
 
 Two optional measurements per path: the routing overhead (the simulators set to answer at
 once, the same request sent alternately straight to an instance and through the path,
@@ -22,6 +24,7 @@ model time. Fixed costs that do not scale (Envoy, the router, Python) are inflat
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import statistics
 import sys
@@ -29,7 +32,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
@@ -40,6 +43,7 @@ from extproc.bench import report
 from extproc.bench.counters import prefix_counters
 from extproc.bench.loadgen import RequestOutcome, run_closed_loop, run_open_loop
 from extproc.bench.workloads import BenchRequest, WorkloadSpec, describe, generate
+from extproc.config import RouterConfig
 from extproc.control.loadfeed import parse_vllm_metrics
 from extproc.stack.local import LocalStack, StackSpec, start_envoy
 from extproc.stack.processes import ManagedProcess, free_port, free_ports, http_ok, wait_until
@@ -50,14 +54,21 @@ OUR_STRATEGIES = ("RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE")
 # PREFIX_AWARE with overflow switched off: no concurrency limit worth the name, no balance
 # bound. The hot-spot workload compares it with the default.
 NO_OVERFLOW = "PREFIX_AWARE-no-overflow"
+# SageMaker's behaviour: a hash of the first prefix_length characters.
+FIXED = "PREFIX_AWARE-fixed"
+# The default, with two router replicas that Envoy spreads the ext_proc streams over.
+TWO_REPLICAS = "PREFIX_AWARE-two-replicas"
 OUR_PATHS = {
     **{strategy: {"routing_strategy": strategy} for strategy in OUR_STRATEGIES},
+    FIXED: {"routing_strategy": "PREFIX_AWARE", "prefix_match": "fixed"},
+    TWO_REPLICAS: {"routing_strategy": "PREFIX_AWARE"},
     NO_OVERFLOW: {
         "routing_strategy": "PREFIX_AWARE",
         "concurrency_threshold": 1024,
         "balance_factor": None,
     },
 }
+REPLICAS = {TWO_REPLICAS: 2}
 RING_HASH = "envoy-ring-hash"
 PEERS = {
     "vllm-router-cache-aware": ("vllm-router", "cache_aware"),
@@ -78,7 +89,7 @@ class FleetBenchOptions:
     sim_args: tuple[str, ...] = ("--capacity-blocks", "4000")
     concurrency_threshold: int = 32
     prefix_length: int = 8192
-    paths: tuple[str, ...] = (*OUR_STRATEGIES, RING_HASH, *PEERS)
+    paths: tuple[str, ...] = (*OUR_STRATEGIES, FIXED, TWO_REPLICAS, RING_HASH, *PEERS)
     out_dir: Path | None = Path("docs/benchmarks")
     command: str = ""
     # Instances started but not published at first (the scale-event benchmark adds them).
@@ -92,6 +103,8 @@ class FleetBenchOptions:
     closed_loop_time_limit_s: float = 90.0
     # Not every path: each saturation run takes about a minute of wall time.
     closed_loop_paths: tuple[str, ...] = ("RANDOM", "PREFIX_AWARE", RING_HASH)
+    # The report's file name (without .md); None: the workload's name.
+    report_name: str | None = None
 
 
 def default_paths(workload: str) -> tuple[str, ...]:
@@ -140,6 +153,8 @@ class PathResult:
     skipped: str | None = None
     shares: dict[str, float] = field(default_factory=dict)
     overhead_ms: float | None = None  # p50 added over the direct call, zero-latency backend
+    # The prefix index's own estimate of the hit rate (matched / prompt bytes), ours only.
+    index_estimate: float | None = None
     closed_loop: ClosedLoopResult | None = None
 
     def ttfts_ms(self) -> list[float]:
@@ -179,12 +194,18 @@ def reset_caches(addresses: Sequence[str]) -> None:
 
 
 def _router_counter(stack: LocalStack, name: str) -> float:
-    text = httpx.get(stack.router_metrics_url).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + "{") or line.startswith(name + " ")
-    )
+    """``name`` summed over its label sets and over the running router replicas."""
+    total = 0.0
+    for replica, process in enumerate(stack.routers):
+        if process is None:
+            continue
+        text = httpx.get(stack.replica_metrics_url(replica)).text
+        total += sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(name + "{") or line.startswith(name + " ")
+        )
+    return total
 
 
 def _answers_chat(url: str) -> bool:
@@ -232,6 +253,7 @@ class Fleet:
                 "prefix_length": self.options.prefix_length,
             },
             upstream_host_header=False,
+            router_replicas=max([1, *(REPLICAS.get(p, 1) for p in self.options.paths)]),
             work_dir=self.work / "stack",
         )
         self.stack = LocalStack(spec).start()
@@ -294,12 +316,8 @@ def path_url(fleet: Fleet, path: str) -> str | None:
     stack = fleet.stack
     assert stack is not None
     if path in OUR_PATHS:
-        applied = 'prefix_router_config_reloads_total{result="applied"}'
-        before = stack.router_metric(applied) or 0
-        config = stack.router_config_path()
-        old = config.read_text() if config.exists() else None
-        if stack.write_router_config(**OUR_PATHS[path]).read_text() != old:
-            wait_until(lambda: (stack.router_metric(applied) or 0) > before, 10, path)
+        stack.write_router_config(**OUR_PATHS[path])
+        stack.restart_routers(REPLICAS.get(path, 1))
         return stack.url
     if path == RING_HASH:
         return fleet.ring_hash_url
@@ -389,7 +407,7 @@ def run_path(fleet: Fleet, path: str, requests: list[BenchRequest]) -> PathResul
     options = fleet.options
     stack = fleet.stack
     assert stack is not None
-    decisions_before = overflows_before = 0.0
+    decisions_before = overflows_before = prompt_before = matched_before = 0.0
     url = path_url(fleet, path)
     if url is None:
         return PathResult(path, [], 0.0, options.time_scale, 0.0, skipped="not installed")
@@ -399,6 +417,8 @@ def run_path(fleet: Fleet, path: str, requests: list[BenchRequest]) -> PathResul
     if path in OUR_PATHS:
         decisions_before = _router_counter(stack, "prefix_router_decisions_total")
         overflows_before = _router_counter(stack, "prefix_router_overflows_total")
+        prompt_before = _router_counter(stack, "prefix_router_prompt_bytes_total")
+        matched_before = _router_counter(stack, "prefix_router_matched_bytes_total")
     reset_caches(fleet.addresses)
     queries_before, hits_before = prefix_counters(fleet.addresses)
     outcomes, wall = asyncio.run(
@@ -420,6 +440,9 @@ def run_path(fleet: Fleet, path: str, requests: list[BenchRequest]) -> PathResul
         decisions = _router_counter(stack, "prefix_router_decisions_total") - decisions_before
         overflows = _router_counter(stack, "prefix_router_overflows_total") - overflows_before
         result.overflow_rate = overflows / decisions if decisions else 0.0
+        prompt = _router_counter(stack, "prefix_router_prompt_bytes_total") - prompt_before
+        matched = _router_counter(stack, "prefix_router_matched_bytes_total") - matched_before
+        result.index_estimate = matched / prompt if prompt else None
     if options.closed_loop_concurrency and path in options.closed_loop_paths:
         result.closed_loop = run_closed(fleet, url, requests)
     log.info(
@@ -455,12 +478,12 @@ def _ratio(value: float, base: float) -> str:
 def write_report(options: FleetBenchOptions, results: list[PathResult], count: int) -> Path:
     assert options.out_dir is not None
     options.out_dir.mkdir(parents=True, exist_ok=True)
-    name = options.workload.name
+    name = options.report_name or options.workload.name
     base = next((r for r in results if r.path == "RANDOM" and not r.skipped), None)
     rows = []
     for r in results:
         if r.skipped:
-            rows.append([r.path, f"skipped: {r.skipped}", *[""] * 12])
+            rows.append([r.path, f"skipped: {r.skipped}", *[""] * 13])
             continue
         shares = [s for s in r.shares.values()]
         rows.append(
@@ -472,6 +495,7 @@ def write_report(options: FleetBenchOptions, results: list[PathResult], count: i
                 f"{r.requests_per_s:.2f}",
                 f"{r.tokens_per_s:.0f}",
                 f"{r.hit_rate:.1%}",
+                "" if r.index_estimate is None else f"{r.index_estimate:.1%}",
                 f"{min(shares):.1%} to {max(shares):.1%}" if shares else "",
                 "" if r.overflow_rate is None else f"{r.overflow_rate:.1%}",
                 r.failures,
@@ -483,15 +507,16 @@ def write_report(options: FleetBenchOptions, results: list[PathResult], count: i
         )
     table = report.markdown_table(
         ["path", "TTFT p50 (ms)", "p90", "p99", "req/s", "output tok/s", "hit rate",
+         "index estimate",
          "per-instance share", "overflow", "failed", "p50 vs RANDOM", "p90 vs RANDOM",
          "req/s vs RANDOM", "routing overhead p50 (ms)"],
         rows,
     )  # fmt: skip
     text = f"""# Fleet benchmark: {name}
 
-{count} requests of the `{name}` workload, open loop, sent through each routing path in
-turn to the same {options.instances} simulated vLLM instances (prefix caches reset before
-each path). Times are model time (see below).
+{count} requests of the `{options.workload.name}` workload, open loop, sent through each
+routing path in turn to the same {options.instances} simulated vLLM instances (prefix caches
+reset before each path). Times are model time (see below).
 
 {table}
 
@@ -505,13 +530,19 @@ each path). Times are model time (see below).
 ## How this was measured
 
 - Simulator: `prefix-router sim --timing model`, vLLM's timing shape (prefill cost per
-  uncached token, continuous batching, block-level LRU prefix cache); defaults calibrated
+  uncached token, continuous batching, block-level LRU prefix cache that keeps generated
+  output too, as vLLM's does); defaults calibrated
   to ~270 ms TTFT for an uncached 8k-token prompt and ~60 ms cached.
 - Time compression: time_scale = {options.time_scale}. Simulated durations and arrival times
   are multiplied by it and measured times divided by it. Costs that do not scale (Envoy,
   router, Python: a few ms) appear {1 / options.time_scale:g} times larger than they are.
-- Router: prefix_length {options.prefix_length}, concurrency_threshold
-  {options.concurrency_threshold}; strategies switched by editing the config file.
+- Router: default settings but concurrency_threshold {options.concurrency_threshold}
+  (`{FIXED}`: prefix_length {options.prefix_length}); before each of our paths the router
+  processes restart with its settings, so the prefix index starts empty as the caches do.
+- Index estimate: the router's own estimate of the hit rate, the bytes its prefix index
+  believed the chosen host held over the bytes routed (`prefix_router_matched_bytes_total /
+  prefix_router_prompt_bytes_total`). Its distance from the measured hit rate bounds what
+  exact cache events from the engines could add.
 - Envoy ring_hash: no ext_proc; consistent hashing on the `{SESSION_HEADER}` header
   (the document, conversation or tenant id), which a client must supply.
 - Peers: vllm-router and smg from PyPI (`pip install .[bench]`), pointed at the same
@@ -525,16 +556,46 @@ each path). Times are model time (see below).
 """
     path = options.out_dir / f"{name}.md"
     path.write_text(text)
+    # The raw results beside the report, for re-rendering and later analysis.
+    (options.out_dir / f"{name}.json").write_text(
+        json.dumps(
+            {
+                "command": options.command,
+                "workload": asdict(options.workload),
+                "instances": options.instances,
+                "time_scale": options.time_scale,
+                "requests": count,
+                "results": [asdict(r) for r in results],
+            },
+            default=str,
+        )
+        + "\n"
+    )
     _plot(results, options, name)
     return path
 
 
 def _extra_sections(options: FleetBenchOptions, results: list[PathResult]) -> str:
     return (
-        _hot_spot_section(options, results)
+        _replicas_section(results)
+        + _hot_spot_section(options, results)
         + _overhead_section(options, results)
         + _closed_loop_section(options, results)
     )
+
+
+def _replicas_section(results: list[PathResult]) -> str:
+    by_path = {r.path: r for r in results if not r.skipped}
+    one, two = by_path.get("PREFIX_AWARE"), by_path.get(TWO_REPLICAS)
+    if one is None or two is None:
+        return ""
+    points = (two.hit_rate - one.hit_rate) * 100
+    return f"""
+**Two router replicas** (`{TWO_REPLICAS}`): Envoy spreads the ext_proc streams over two
+router processes (least-request), each with its own prefix index and no link between
+them. Hit rate {two.hit_rate:.1%} against {one.hit_rate:.1%} for one replica: {points:+.1f}
+points.
+"""
 
 
 def _hot_spot_section(options: FleetBenchOptions, results: list[PathResult]) -> str:
@@ -560,15 +621,17 @@ def _hot_spot_section(options: FleetBenchOptions, results: list[PathResult]) -> 
         ["", "PREFIX_AWARE (overflow on)", NO_OVERFLOW, "on vs off"], rows
     )
     hot_rate = options.workload.rate_per_s * options.workload.hot_share
+    defaults = RouterConfig()
     return f"""
 ## Overflow against the hot spot
 
 One document takes {options.workload.hot_share:.0%} of the requests. `{NO_OVERFLOW}` is
-PREFIX_AWARE with overflow switched off (`concurrency_threshold` 1024, `balance_factor`
-null): every request for the hot document goes to its one home. With the defaults
-(`concurrency_threshold` {options.concurrency_threshold}, `balance_factor` 1.5), a request
-overflows to its key's next host once its home has 1.5 times the fleet's mean load in
-flight (never below 2), so the hot document is served, and cached, by a few instances.
+PREFIX_AWARE with its load terms switched off (`concurrency_threshold` 1024,
+`balance_factor` null). With the defaults (`concurrency_threshold`
+{options.concurrency_threshold}, `balance_factor` {defaults.balance_factor}, never below
+{defaults.balance_min_in_flight} in flight), the hot document is spread over a consistent
+set of instances in proportion to its share of the traffic, and a host past its balance
+bound costs `overload_cost` {defaults.overload_cost} of a prompt per request over it.
 
 {table}
 

@@ -52,7 +52,11 @@ class FleetEventOptions:
 
 @dataclass(frozen=True)
 class RoundResult:
-    moved_3_to_4: float
+    # Prefixes already served (so cached) before the 4th host joined that moved to it.
+    cached_moved_3_to_4: float
+    # Share of new prefixes, first seen with 4 hosts, that the 4th host took.
+    new_on_4th: float
+    # Of those new prefixes, the share that moved when the 4th host left.
     moved_4_to_3: float
     restored: bool
     envoy_update_s: float
@@ -69,6 +73,7 @@ def _timed(check, what: str, timeout: float = 30) -> float:  # type: ignore[no-u
 def one_round(options: FleetEventOptions) -> RoundResult:
     spec = StackSpec.ephemeral(3, sim_args=("--ttft-ms", "0", "--itl-ms", "0"))
     docs = range(options.prefixes)
+    fresh = range(options.prefixes, 2 * options.prefixes)
     with LocalStack(spec) as stack:
         three = set(stack.backend_addresses)
         before = placements(stack.url, docs)
@@ -84,10 +89,12 @@ def one_round(options: FleetEventOptions) -> RoundResult:
             "the 4th host",
         )
         grown = placements(stack.url, docs)
+        newcomers = placements(stack.url, fresh)
         stack.write_control_plane_config(hosts=stack.backend_addresses)
         _timed(lambda: stack.router_metric("prefix_router_hosts") == 3, "back to 3")
         _timed(lambda: stack.envoy_hosts() == three, "envoy back to 3")
         shrunk = placements(stack.url, docs)
+        newcomers_after = placements(stack.url, fresh)
 
         victim = stack.backend_addresses[0]
         stack.sims[0].kill()
@@ -96,10 +103,13 @@ def one_round(options: FleetEventOptions) -> RoundResult:
         ejection_envoy = time.monotonic() - killed
         wait_until(lambda: stack.router_metric("prefix_router_hosts") == 2, 30, "router ejection")
         ejection_router = time.monotonic() - killed
+    on_4th = {d for d, host in newcomers.items() if host == extra_address}
     return RoundResult(
         moved(before, grown),
-        moved(grown, shrunk),
-        shrunk == before,
+        len(on_4th) / len(newcomers),
+        moved(newcomers, newcomers_after),
+        shrunk == before
+        and all(newcomers_after[d] == newcomers[d] for d in fresh if d not in on_4th),
         envoy_update,
         ejection_envoy,
         ejection_router,
@@ -119,16 +129,18 @@ def run(options: FleetEventOptions) -> Path:
     def spread(values: list[float], digits: int) -> str:
         return f"{min(values):.{digits}f} to {max(values):.{digits}f}"
 
-    out = [r.moved_3_to_4 for r in results]
+    cached = [r.cached_moved_3_to_4 for r in results]
+    taken = [r.new_on_4th for r in results]
     back = [r.moved_4_to_3 for r in results]
     update = [r.envoy_update_s for r in results]
     envoy = [r.ejection_envoy_s for r in results]
     router = [r.ejection_router_s for r in results]
     restored = f"{sum(r.restored for r in results)}/{len(results)}"
     rows = [
-        ["prefixes moved, 3 to 4", median(out, 3), "0.250 (1/4)", spread(out, 3)],
-        ["prefixes moved, 4 to 3", median(back, 3), "same as 3 to 4", spread(back, 3)],
-        ["every prefix back home after 4 to 3", restored, "all rounds", ""],
+        ["cached prefixes moved to the 4th host", median(cached, 3), "0", spread(cached, 3)],
+        ["new prefixes the 4th host took", median(taken, 3), "1/4 or more", spread(taken, 3)],
+        ["new prefixes moved, 4 to 3", median(back, 3), "those on the 4th", spread(back, 3)],
+        ["every other prefix kept its host after 4 to 3", restored, "all rounds", ""],
         ["config edit to 4th host in Envoy and router (s)", median(update, 2), "", ""],
         ["SIGKILL to ejected from Envoy (s)", median(envoy, 2), "under 2.5", spread(envoy, 2)],
         ["SIGKILL to ejected from the router (s)", median(router, 2), "", spread(router, 2)],
@@ -140,13 +152,16 @@ Scaling and failure with the control plane's **default** settings (health checks
 1 s, 0.5 s timeout, ejection after 2 failures, admission after 2 successes). Each round
 starts a fresh stack (3 simulated backends, the control plane, the router, Envoy in
 override-host mode), records where {options.prefixes} distinct prefixes are served, adds a
-4th backend by editing the control plane's config file, removes it again, then SIGKILLs
+4th backend by editing the control plane's config file, sends those prefixes again and
+{options.prefixes} new ones, removes the 4th backend, sends both sets again, then SIGKILLs
 a backend. Median of {options.rounds} rounds.
 
 {table}
 
-Rendezvous placement moves only the keys the new host wins (ideally 1/4 of them) and,
-when it leaves, exactly those keys return to where they were.
+Prefixes the index knows to be cached keep their host when the fleet grows. New prefixes
+are placed by weighted rendezvous hashing of their anchor, weighted by cache pressure, so
+the new host, whose cache takes in nothing yet, draws at least its 1/4 share of them; when
+it leaves, only the prefixes it held move.
 
 ## Reproduce
 
@@ -171,11 +186,19 @@ def _plot(results: list[RoundResult], path: Path) -> None:
 
     figure, (moves, times) = plt.subplots(1, 2, figsize=(10, 4))
     rounds = range(1, len(results) + 1)
-    moves.bar([r - 0.2 for r in rounds], [r.moved_3_to_4 for r in results], 0.4, label="3 to 4")
-    moves.bar([r + 0.2 for r in rounds], [r.moved_4_to_3 for r in results], 0.4, label="4 to 3")
+    moves.bar(
+        [r - 0.2 for r in rounds],
+        [r.cached_moved_3_to_4 for r in results],
+        0.2,
+        label="cached, moved 3 to 4",
+    )
+    moves.bar([r for r in rounds], [r.new_on_4th for r in results], 0.2, label="new, on the 4th")
+    moves.bar(
+        [r + 0.2 for r in rounds], [r.moved_4_to_3 for r in results], 0.2, label="new, moved 4 to 3"
+    )
     moves.axhline(0.25, color="black", linestyle="--", label="ideal 1/4")
     moves.set_xlabel("round")
-    moves.set_ylabel("fraction of prefixes moved")
+    moves.set_ylabel("fraction of prefixes")
     moves.set_xticks(list(rounds))
     moves.legend()
     labels = ["4th host admitted", "ejected (Envoy)", "ejected (router)"]

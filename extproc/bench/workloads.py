@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal, get_args
 
+from extproc.sim.responses import reply_text
+
 CHARS_PER_TOKEN = 4
 SESSION_HEADER = "x-session-id"  # the ring_hash baseline hashes on it
 TENANT_HEADER = "x-prefix-aware-id"
@@ -64,11 +66,12 @@ class WorkloadSpec:
     turn_tokens_sigma: float = 1.0  # lognormal shape of turn lengths; 1.0 is heavy-tailed
     turn_tokens_max: int = 2048
     think_time_mean_s: float = 5.0  # arrival of turn k+1 after turn k (includes the reply)
-    # Multi-tenant.
-    tenants: int = 8
-    tenant_system_tokens: int = 4096  # shared by all tenants
-    tenant_context_tokens: int = 1024  # tenant-specific, after the shared prompt
-    tenants_with_body_key: int = 2  # the last ones send prompt_cache_key, not the header
+    # Multi-tenant: 32 tenants of ~8k tokens each, ~200k tokens in all, three times what one
+    # simulated instance of the fleet benchmark caches (64k tokens), a third of the fleet's.
+    tenants: int = 32
+    tenant_system_tokens: int = 2048  # shared by all tenants
+    tenant_context_tokens: int = 6144  # tenant-specific, after the shared prompt
+    tenants_with_body_key: int = 8  # the last ones send prompt_cache_key, not the header
 
     def __post_init__(self) -> None:
         if self.name not in get_args(WorkloadName):
@@ -325,8 +328,9 @@ def _conversations(spec: WorkloadSpec, model: str) -> list[BenchRequest]:
             if spec.duration_s is None or at_s <= spec.duration_s:
                 requests.append(_request(at_s, model, messages, reply_tokens, group))
                 heapq.heappush(unsettled, at_s)
-            # The reply the client will resend: max_tokens of this turn, as text.
-            reply = {"role": "assistant", "content": _text(content, vocabulary, reply_tokens)}
+            # The reply the client will resend: what the simulator generates for max_tokens
+            # (deterministic, as at temperature 0), so its cached output blocks can hit.
+            reply = {"role": "assistant", "content": reply_text(reply_tokens, CHARS_PER_TOKEN)}
             history = [*messages, reply]
     requests.sort(key=lambda request: request.at_s)
     return requests[: spec.max_requests] if spec.max_requests is not None else requests

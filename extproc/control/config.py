@@ -78,10 +78,32 @@ class LoadFeedSettings:
     timeout_s: float = field(
         default=0.2, metadata=doc("Seconds one scrape may take.", range=(0.01, "interval_s"))
     )
+    rate_time_constant_s: float = field(
+        default=5.0,
+        metadata=doc(
+            "Seconds over which each host's prompt-token rate (its cache pressure, which "
+            "steers where routers place new prefixes) is smoothed.",
+            range=(1, 3600),
+        ),
+    )
+
+    pressure_factor: float | None = field(
+        default=1.5,
+        metadata=doc(
+            "A host taking in less than 1/pressure_factor of the fleet's mean prompt-token "
+            "rate draws new prefixes (placement weight 4), one taking in more than "
+            "pressure_factor times it repels them (1/4); null gives every host weight 1, so "
+            "placement is by hash alone.",
+            range=(1.1, 10),
+        ),
+    )
 
     def __post_init__(self) -> None:
         _number("load_feed.interval_s", self.interval_s, 0.05, 60)
         _number("load_feed.timeout_s", self.timeout_s, 0.01, self.interval_s)
+        _number("load_feed.rate_time_constant_s", self.rate_time_constant_s, 1, 3600)
+        if self.pressure_factor is not None:
+            _number("load_feed.pressure_factor", self.pressure_factor, 1.1, 10)
 
 
 @dataclass(frozen=True)

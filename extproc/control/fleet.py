@@ -20,6 +20,7 @@ from extproc.control.discovery import Discovery, DnsSource, Source, StaticSource
 from extproc.control.health import HealthChecker, HealthPolicy
 from extproc.control.loadfeed import LoadFeedPolicy, LoadScraper
 from extproc.control.model import HostHealth, HostLoad
+from extproc.control.rates import CachePressure
 from extproc.control.rounds import sleep_unless_stopped
 from extproc.control.snapshot import FleetSnapshot, LoadSnapshot, PublishedHost, SnapshotStore
 from extproc.errors import ConfigError
@@ -72,6 +73,10 @@ class Fleet:
         self.scraper = LoadScraper(
             LoadFeedPolicy(config.load_feed.interval_s, config.load_feed.timeout_s)
         )
+        self.pressure = CachePressure(
+            config.load_feed.rate_time_constant_s, factor=config.load_feed.pressure_factor
+        )
+        self._pressure_series: set[str] = set()  # hosts with pressure gauges
         # Publish an empty fleet at once, so early subscribers get an answer.
         self.publish_fleet(self.health.states)
 
@@ -93,9 +98,29 @@ class Fleet:
         self._counted_failures = self.scraper.failures
         if not loads:
             return
+        # The scrapes' own (monotonic) times measure the rates.
+        pressure = self.pressure.update(
+            loads, max(load.scraped_at for load in loads.values()), self.healthy_addresses()
+        )
+        for address, (rate, weight) in pressure.items():
+            metrics.CP_PROMPT_RATE.labels(address).set(rate)
+            metrics.CP_PLACEMENT_WEIGHT.labels(address).set(weight)
+        # Hosts that left the fleet leave no series behind.
+        for address in self._pressure_series - set(self.healthy_addresses()):
+            metrics.CP_PROMPT_RATE.remove(address)
+            metrics.CP_PLACEMENT_WEIGHT.remove(address)
+        self._pressure_series = set(pressure) & set(self.healthy_addresses())
         # Wall time, so the stamp means the same thing in every process that reads it.
         now = self._wall_clock()
-        stamped = {address: replace(load, scraped_at=now) for address, load in loads.items()}
+        stamped = {
+            address: replace(
+                load,
+                scraped_at=now,
+                prompt_tokens_per_s=pressure[address][0],
+                placement_weight=pressure[address][1],
+            )
+            for address, load in loads.items()
+        }
         if self.store.publish(LoadSnapshot.build(self.config.cluster, stamped)):
             metrics.CP_PUBLISHES.labels("load").inc()
 

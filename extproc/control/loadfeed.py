@@ -43,8 +43,23 @@ _FIELD_OF_SAMPLE = {
     for field, names in table.items()
     for name in names
 }
+# vLLM's cache config, an info-style gauge: one label set per engine, with the KV cache's
+# num_gpu_blocks and block_size (tokens) among its labels.
+_CACHE_CONFIG_SAMPLE = "vllm:cache_config_info"
 # How much of a bad body goes into the error message.
 _EXCERPT_CHARS = 120
+
+
+def _cache_tokens(labels: Mapping[str, str]) -> float:
+    """One engine's KV cache size in tokens, or 0 if the labels do not say."""
+    try:
+        blocks = float(labels.get("num_gpu_blocks", ""))
+        block_size = float(labels.get("block_size", ""))
+    except ValueError:  # "None" before the engine profiled its memory, or absent
+        return 0.0
+    if not (math.isfinite(blocks) and math.isfinite(block_size)) or blocks < 0:
+        return 0.0
+    return max(0.0, blocks * block_size)
 
 
 class LoadFeedError(RouterError):
@@ -71,15 +86,21 @@ class LoadFeedPolicy:
 
 
 def parse_vllm_metrics(text: str, scraped_at: float) -> HostLoad:
-    """The load in one /metrics body, summed over label sets (model_name, engine, ...).
+    """The load in one /metrics body, summed over label sets (model_name, engine, ...), and
+    the KV cache size that ``vllm:cache_config_info`` states.
 
     Metrics the body lacks count as 0. Raises LoadFeedError on text that is not the
     Prometheus exposition format or on a non-finite value of a metric used here.
     """
     totals = dict.fromkeys(_FIELD_OF_SAMPLE.values(), 0.0)
+    cache_tokens = 0.0
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
+                if sample.name == _CACHE_CONFIG_SAMPLE:
+                    # Engines of one server (data parallel) each have a cache of their own.
+                    cache_tokens += _cache_tokens(sample.labels)
+                    continue
                 field = _FIELD_OF_SAMPLE.get(sample.name)
                 if field is None:
                     continue
@@ -95,7 +116,7 @@ def parse_vllm_metrics(text: str, scraped_at: float) -> HostLoad:
         # The parser signals bad text with ValueError, and with others on odd input.
         excerpt = text[:_EXCERPT_CHARS]
         raise LoadFeedError(f"malformed Prometheus text ({exc}): {excerpt!r}") from exc
-    return HostLoad(scraped_at=scraped_at, **totals)
+    return HostLoad(scraped_at=scraped_at, cache_capacity_tokens=cache_tokens, **totals)
 
 
 async def scrape(

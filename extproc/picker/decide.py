@@ -31,6 +31,9 @@ class Outcome(StrEnum):
     OVERFLOW = "overflow"
     # PREFIX_AWARE: every host was at the threshold; the least-loaded one took it.
     SATURATED = "saturated"
+    # PREFIX_AWARE (longest match): a host holding more of the prompt than the anchor's
+    # first host took it.
+    MATCHED = "matched"
     RANDOM = "random"
     LEAST_LOADED = "least_loaded"
 
@@ -62,18 +65,19 @@ def load_bound(
     loads: Mapping[str, int | float],
     concurrency_threshold: int,
     balance_factor: float | None,
+    min_in_flight: int = 2,
 ) -> float:
     """The in-flight count at which a host overflows.
 
     Always ``concurrency_threshold``; with ``balance_factor`` also ``balance_factor`` times
     the mean load including this request (consistent hashing with bounded loads), but never
-    below 2, so a pair of requests for one prefix at an idle fleet stays together. This
-    keeps a hot prefix from piling onto one host while the fleet is busy.
+    below ``min_in_flight``, so a few requests for one prefix at an idle fleet stay
+    together. This keeps a hot prefix from piling onto one host while the fleet is busy.
     """
     if balance_factor is None or not hosts.hosts:
         return concurrency_threshold
     total = sum(_load(loads, h) for h in hosts.hosts) + 1
-    bounded = max(2.0, math.ceil(balance_factor * total / len(hosts.hosts)))
+    bounded = max(float(min_in_flight), math.ceil(balance_factor * total / len(hosts.hosts)))
     return min(float(concurrency_threshold), bounded)
 
 
@@ -86,6 +90,7 @@ def decide(
     failover: int,
     rand: float,
     balance_factor: float | None = None,
+    balance_min_in_flight: int = 2,
 ) -> Decision:
     """Pick the upstream for one request.
 
@@ -99,7 +104,9 @@ def decide(
 
     if strategy is Strategy.PREFIX_AWARE:
         order = placement_order(digest, hosts)
-        bound = load_bound(hosts, loads, concurrency_threshold, balance_factor)
+        bound = load_bound(
+            hosts, loads, concurrency_threshold, balance_factor, balance_min_in_flight
+        )
         for position, host in enumerate(order):
             if _load(loads, host) < bound:
                 outcome = Outcome.PLACED if position == 0 else Outcome.OVERFLOW

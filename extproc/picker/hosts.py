@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import xxhash
 
@@ -50,6 +50,11 @@ class HostSet:
     """An ordered-by-address, duplicate-free set of hosts."""
 
     hosts: tuple[Host, ...]
+    # Derived once: decisions test membership on every request.
+    addresses: frozenset[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "addresses", frozenset(h.address for h in self.hosts))
 
     @classmethod
     def of(cls, addresses: Iterable[str]) -> HostSet:
@@ -72,10 +77,6 @@ class HostSet:
         if not subset or len(subset) == len(self.hosts):
             return self
         return HostSet(subset)
-
-    @property
-    def addresses(self) -> frozenset[str]:
-        return frozenset(h.address for h in self.hosts)
 
     def __len__(self) -> int:
         return len(self.hosts)

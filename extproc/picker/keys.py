@@ -45,6 +45,9 @@ class RoutingKey:
     model: str | None = None
     # Why a client-supplied salt was ignored (None when none was rejected).
     salt_rejected: str | None = None
+    # Byte offsets in ``key`` where each chat message ends (ascending); empty for a
+    # completions prompt or a raw body, which are one piece.
+    segments: tuple[int, ...] = ()
 
 
 def valid_salt(value: object) -> bool:
@@ -91,6 +94,13 @@ def openai_prompt_text(body: Any, limit: int | None = None) -> str | None:
     the text may stop once it has ``limit`` characters: a body of 100k tiny messages or
     prompt items then costs no more than the key needs.
     """
+    pieces = openai_prompt_pieces(body, limit)
+    return None if pieces is None else "".join(pieces)
+
+
+def openai_prompt_pieces(body: Any, limit: int | None = None) -> list[str] | None:
+    """``openai_prompt_text`` before the join: one piece per chat message, or one piece
+    for a completions prompt."""
     if not isinstance(body, dict):
         return None
     messages = body.get("messages")
@@ -106,10 +116,10 @@ def openai_prompt_text(body: Any, limit: int | None = None) -> str | None:
                 piece = f"{role_text}\n{content}\n"
                 pieces.append(piece)
                 length += len(piece)
-        return "".join(pieces)
+        return pieces
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return prompt
+        return [prompt]
     if isinstance(prompt, list):
         items, length = [], 0
         for item in prompt:
@@ -118,7 +128,7 @@ def openai_prompt_text(body: Any, limit: int | None = None) -> str | None:
             text = item if isinstance(item, str) else repr(item)
             items.append(text)
             length += len(text) + 1
-        return "\n".join(items)
+        return ["\n".join(items)]
     return None
 
 
@@ -147,8 +157,8 @@ def extract_key(
         parsed = jiter.from_json(body[:PARSE_LIMIT_BYTES], partial_mode="trailing-strings")
     except ValueError:
         parsed = None
-    text = openai_prompt_text(parsed, prefix_length)
-    if text is None:
+    pieces = openai_prompt_pieces(parsed, prefix_length)
+    if pieces is None:
         return RoutingKey(native, KeySource.NATIVE_FALLBACK, salt, None, salt_rejected)
 
     assert isinstance(parsed, dict)
@@ -159,7 +169,28 @@ def extract_key(
             salt = body_salt
         else:
             salt_rejected = f"body {SALT_BODY_FIELD}"
-    key = text[:prefix_length].encode("utf-8", "surrogatepass")
+    text = "".join(pieces)[:prefix_length]
+    key = text.encode("utf-8", "surrogatepass")
     return RoutingKey(
-        key, KeySource.OPENAI, salt, model if isinstance(model, str) else None, salt_rejected
+        key,
+        KeySource.OPENAI,
+        salt,
+        model if isinstance(model, str) else None,
+        salt_rejected,
+        _segment_ends(pieces, len(text), ascii_only=len(key) == len(text)),
     )
+
+
+def _segment_ends(pieces: list[str], length: int, ascii_only: bool) -> tuple[int, ...]:
+    """Byte offsets where the messages end, within the first ``length`` characters."""
+    if len(pieces) < 2:
+        return ()
+    ends, chars, offset = [], 0, 0
+    for piece in pieces:
+        if chars >= length:
+            break
+        taken = piece[: length - chars]
+        chars += len(taken)
+        offset += len(taken) if ascii_only else len(taken.encode("utf-8", "surrogatepass"))
+        ends.append(offset)
+    return tuple(ends)

@@ -106,7 +106,14 @@ class PrefixCache:
         """Count the cached leading blocks of `text`, then cache all its full blocks."""
         hashes = self.block_hashes(text)
         hit_blocks = self.cached_prefix_blocks(hashes)
+        self.insert(hashes)
+        return CacheResult(
+            query_tokens=self.query_tokens(text),
+            hit_tokens=hit_blocks * self._block_size_tokens,
+        )
 
+    def insert(self, hashes: Sequence[int]) -> None:
+        """Cache the blocks `hashes` unreferenced (most recent: the first of them)."""
         # Touch the tail first so the head ends up most recent: eviction then
         # takes a prompt's deepest blocks first and never strands a child
         # block whose parent is gone (vLLM frees blocks in that order too).
@@ -116,10 +123,15 @@ class PrefixCache:
                 self._evictable.move_to_end(block_hash)
         self._evict_to_capacity()
 
-        return CacheResult(
-            query_tokens=self.query_tokens(text),
-            hit_tokens=hit_blocks * self._block_size_tokens,
-        )
+    def sequence_hashes(self, prompt: str, output: str) -> list[int]:
+        """The full blocks a finished request leaves cached: its prompt and its output, but
+        for the last output token, which the engine samples and never computes KV for."""
+        return self.block_hashes(prompt + output[: max(0, len(output) - self._chars_per_token)])
+
+    def insert_output(self, prompt: str, output: str) -> None:
+        """Cache what generating ``output`` after ``prompt`` computed (as vLLM caches the
+        blocks of generated tokens, so the next turn of a conversation hits them)."""
+        self.insert(self.sequence_hashes(prompt, output))
 
     def cached_prefix_blocks(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of `hashes` are cached; changes nothing."""
@@ -148,10 +160,17 @@ class PrefixCache:
         self._evict_to_capacity()
         return True
 
-    def release(self, hashes: Sequence[int], private_blocks: int) -> None:
-        """Drop one hold on `hashes` and free `private_blocks`; the hashed blocks stay cached."""
+    def release(
+        self, hashes: Sequence[int], private_blocks: int, computed: Sequence[int] = ()
+    ) -> None:
+        """Drop one hold on `hashes` and free `private_blocks`; the hashed blocks stay cached,
+        and so do the blocks `computed` beyond them (the output's full blocks)."""
         self._private_blocks -= private_blocks
         # Tail first, so the prompt's head is the most recent and is evicted last.
+        for block_hash in reversed(computed):
+            if block_hash not in self._referenced:
+                self._evictable[block_hash] = None
+                self._evictable.move_to_end(block_hash)
         for block_hash in reversed(hashes):
             holders = self._referenced[block_hash] - 1
             if holders:
@@ -159,6 +178,8 @@ class PrefixCache:
             else:
                 del self._referenced[block_hash]
                 self._evictable[block_hash] = None
+                self._evictable.move_to_end(block_hash)
+        self._evict_to_capacity()
 
     def clear_unreferenced(self) -> int:
         """Forget every block no request holds (vLLM's reset_prefix_cache); returns how many."""

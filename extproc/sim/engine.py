@@ -59,10 +59,14 @@ same modelled load, multiply arrival rates by 1/time_scale; divide measured late
 time_scale to compare with the reference. Below ~0.1, event-loop jitter (about a
 millisecond per step on a small machine) starts to show against 3 ms steps.
 
+Generated output is prefix-cached as in vLLM: when a request ends, the full blocks of its
+prompt plus the output it computed (every token but the last sampled one) stay cached, so
+the next turn of a conversation, which resends the reply, hits them.
+
 Simplifications: no preemption (a request reserves blocks for prompt + max_tokens when
-admitted, so it never runs out mid-decode); attention cost does not grow with context;
-output tokens are never prefix-cached; a prompt's new blocks become hits for later
-requests from admission on (V1 registers them when it schedules them).
+admitted, so it never runs out mid-decode); a prompt's new blocks become hits for later
+requests from admission on (V1 registers them when it schedules them), its output's blocks
+only once it ends.
 """
 
 from __future__ import annotations
@@ -135,6 +139,8 @@ class EngineRequest:
     block_hashes: list[int]  # the prompt's full blocks: shared and prefix-cached
     private_blocks: int  # partial last block and room for the output: never shared
     ready_at: float  # when the front end hands it to the engine
+    # Full blocks past the prompt's once the whole output is computed; cached at the end.
+    output_hashes: list[int] = field(default_factory=list)
     state: RequestState = "arriving"
     hit_tokens: int = 0  # known once admitted
     prefill_left: int = 0
@@ -185,8 +191,9 @@ class Engine:
         """vLLM's kv_cache_usage_perc: cached blocks no request holds count as free."""
         return self.cache.blocks_referenced / self.cache.capacity_blocks
 
-    def submit(self, prompt: str, max_tokens: int, now: float) -> EngineRequest:
-        """Queue a request arriving at `now`; ValueError if it could never fit the cache."""
+    def submit(self, prompt: str, max_tokens: int, now: float, output: str = "") -> EngineRequest:
+        """Queue a request arriving at `now` that will generate `output`; ValueError if it
+        could never fit the cache."""
         _require_count("max_tokens", max_tokens)
         cache = self.cache
         prompt_tokens = cache.query_tokens(prompt)
@@ -203,6 +210,7 @@ class Engine:
             block_hashes=hashes,
             private_blocks=blocks - len(hashes),
             ready_at=now + self.config.request_overhead_s,
+            output_hashes=cache.sequence_hashes(prompt, output)[len(hashes) :] if output else [],
         )
         self._arriving.append(request)
         return request
@@ -301,5 +309,12 @@ class Engine:
 
     def _retire(self, request: EngineRequest, state: RequestState) -> None:
         self._running.remove(request)
-        self.cache.release(request.block_hashes, request.private_blocks)
+        # Every token but the last sampled one has its KV computed; full blocks stay cached.
+        computed = 0
+        if not request.prefill_left:
+            computed = request.prompt_tokens + request.output_tokens - 1
+        full = computed // self.cache.block_size_tokens - len(request.block_hashes)
+        self.cache.release(
+            request.block_hashes, request.private_blocks, request.output_hashes[: max(0, full)]
+        )
         request.state = state

@@ -56,6 +56,7 @@ class FixedGeneration:
         max_tokens: int,
         ttft_s: float,
         itl_s: float,
+        output: str = "",
     ) -> None:
         self._metrics = metrics
         self._left = max_tokens
@@ -65,6 +66,9 @@ class FixedGeneration:
         metrics.request_started()
         self.cached = cache.lookup_and_insert(prompt)
         metrics.prompt_processed(self.cached)
+        self._cache = cache
+        self._prompt = prompt
+        self._output = output
 
     async def next_token(self) -> None:
         await _pause(self._itl_s if self._started else self._ttft_s)
@@ -79,6 +83,10 @@ class FixedGeneration:
         self._metrics.tokens_generated(left)
 
     def close(self) -> None:
+        # What was generated stays cached, as in vLLM: all of it once the request is done.
+        done = len(self._output) if self._left == 0 else 0
+        if done:
+            self._cache.insert_output(self._prompt, self._output[:done])
         self._metrics.request_ended()
 
 
@@ -120,10 +128,11 @@ class EngineDriver:
         self._wakeup = asyncio.Event()
         metrics.follow_engine(lambda: engine.num_running, lambda: engine.num_waiting)
 
-    def start(self, prompt: str, max_tokens: int) -> ModelledGeneration:
-        """Submit a request now; ValueError when it could never fit the KV cache."""
+    def start(self, prompt: str, max_tokens: int, output: str = "") -> ModelledGeneration:
+        """Submit a request now that will generate ``output``; ValueError when it could never
+        fit the KV cache."""
         now = asyncio.get_running_loop().time()
-        request = self.engine.submit(prompt, max_tokens, now)
+        request = self.engine.submit(prompt, max_tokens, now, output)
         generation = ModelledGeneration(self, request)
         self._generations[request] = generation
         self._wakeup.set()

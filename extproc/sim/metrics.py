@@ -24,7 +24,13 @@ class SimMetrics:
     A registry per instance keeps several instances in one process apart.
     """
 
-    def __init__(self, model_name: str, kv_cache_usage: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        kv_cache_usage: Callable[[], float],
+        num_gpu_blocks: int = 0,
+        block_size: int = 16,
+    ) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         self._model_name = model_name
@@ -84,6 +90,18 @@ class SimMetrics:
             buckets=TTFT_BUCKETS_S,
             registry=self.registry,
         ).labels(model_name=model_name)
+        # vLLM's info-style gauge: always 1, the cache config in its labels.
+        Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            ["block_size", "num_gpu_blocks", "enable_prefix_caching", "engine"],
+            registry=self.registry,
+        ).labels(
+            block_size=str(block_size),
+            num_gpu_blocks=str(num_gpu_blocks),
+            enable_prefix_caching="True",
+            engine="0",
+        ).set(1)
         # Fixed timing has no queue: waiting stays 0 unless an engine is followed.
         self._waiting.set(0)
 

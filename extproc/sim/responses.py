@@ -49,9 +49,20 @@ def _head(envelope: Envelope, object_name: str) -> dict[str, Any]:
     }
 
 
-def filler_tokens(count: int) -> list[str]:
-    """`count` output tokens of recognisable filler, one word each."""
-    return [_FILLER_WORDS[i % len(_FILLER_WORDS)] + " " for i in range(count)]
+def filler_tokens(count: int, chars_per_token: int = 4) -> list[str]:
+    """`count` output tokens of recognisable filler, each `chars_per_token` characters (a
+    word cut to fit, then a space), so the reply's length in tokens is what the cache model
+    counts when a client sends it back in its next turn."""
+    if chars_per_token == 1:
+        return [_FILLER_WORDS[i % len(_FILLER_WORDS)][0] for i in range(count)]
+    width = chars_per_token - 1
+    return [_FILLER_WORDS[i % len(_FILLER_WORDS)][:width].ljust(width) + " " for i in range(count)]
+
+
+def reply_text(tokens: int, chars_per_token: int = 4) -> str:
+    """The whole reply a request of `max_tokens` = `tokens` gets: deterministic, as at
+    temperature 0, so a client (or a workload generator) can resend it as history."""
+    return "".join(filler_tokens(tokens, chars_per_token))
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from extproc.sim.responses import (
     error_body,
     filler_tokens,
     full_response,
+    reply_text,
     sse_event,
     token_chunk,
     usage,
@@ -77,12 +78,17 @@ class _Instance:
         self.driver: EngineDriver | None = None
         if options.timing == "model":
             engine = Engine(options.engine_config(), self.cache)
-            self.metrics = SimMetrics(options.model, engine.kv_usage)
+            self.metrics = SimMetrics(
+                options.model, engine.kv_usage, options.capacity_blocks, options.block_size_tokens
+            )
             self.driver = EngineDriver(engine, self.metrics)
         else:
             # Without requests that hold blocks, every cached block counts as used.
             self.metrics = SimMetrics(
-                options.model, lambda: self.cache.blocks_used / self.cache.capacity_blocks
+                options.model,
+                lambda: self.cache.blocks_used / self.cache.capacity_blocks,
+                options.capacity_blocks,
+                options.block_size_tokens,
             )
 
     async def run_engine(self, app: web.Application) -> AsyncIterator[None]:
@@ -151,8 +157,9 @@ class _Instance:
             generation.close()
 
     def _start(self, parsed: CompletionRequest) -> Generation:
+        output = reply_text(parsed.max_tokens, self.options.chars_per_token)
         if self.driver is not None:
-            return self.driver.start(parsed.prompt, parsed.max_tokens)
+            return self.driver.start(parsed.prompt, parsed.max_tokens, output)
         return FixedGeneration(
             self.cache,
             self.metrics,
@@ -160,6 +167,7 @@ class _Instance:
             parsed.max_tokens,
             ttft_s=self.options.scaled_s(self.options.ttft_ms),
             itl_s=self.options.scaled_s(self.options.itl_ms),
+            output=output,
         )
 
     def _first_token_out(self, arrived: float) -> None:
@@ -179,7 +187,7 @@ class _Instance:
         await generation.next_token()
         self._first_token_out(arrived)
         await generation.rest()
-        text = "".join(filler_tokens(parsed.max_tokens))
+        text = reply_text(parsed.max_tokens, self.options.chars_per_token)
         self.metrics.request_succeeded()
         return _json_response(full_response(envelope, text, self._usage(parsed, generation)))
 
@@ -194,7 +202,7 @@ class _Instance:
         response = web.StreamResponse(headers={"Cache-Control": "no-cache"})
         response.content_type = "text/event-stream"
         await response.prepare(request)
-        tokens = filler_tokens(parsed.max_tokens)
+        tokens = filler_tokens(parsed.max_tokens, self.options.chars_per_token)
         try:
             for index, token in enumerate(tokens):
                 await generation.next_token()

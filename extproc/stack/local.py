@@ -375,6 +375,35 @@ class LocalStack:
             if line.startswith(f"{cluster}::") and line.split("::")[2] == "cx_active"
         }
 
+    def healthy_routers(self) -> set[str]:
+        """Router replicas that Envoy's health checks pass, from its admin /clusters page."""
+        with urllib.request.urlopen(f"{self.admin_url}/clusters", timeout=2) as response:
+            text = response.read().decode()
+        prefix = "prefix_router::"
+        return {
+            line.split("::")[1]
+            for line in text.splitlines()
+            if line.startswith(prefix) and line.endswith("::health_flags::healthy")
+        }
+
+    def restart_routers(self, replicas: int | None = None) -> None:
+        """Restart the first ``replicas`` router replicas (all by default) and stop the rest,
+        then wait until Envoy's health checks route to exactly those: each starts with an
+        empty prefix index."""
+        count = len(self.routers) if replicas is None else replicas
+        for replica in range(len(self.routers)):
+            self.stop_router(replica)
+            self.routers[replica] = None
+        for replica in range(count):
+            self.start_router(replica)
+        wanted = {_join(listen) for listen, _ in self.router_addresses[:count]}
+        wait_until(
+            lambda: self.healthy_routers() == wanted,
+            READY_TIMEOUT_S,
+            f"envoy to route to {count} router replica(s)",
+            self.envoy,
+        )
+
     def start(self) -> LocalStack:
         try:
             self.start_sims()

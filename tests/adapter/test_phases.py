@@ -79,14 +79,18 @@ def test_a_bodyless_request_is_decided_on_its_headers():
 
 def test_same_prefix_same_host_different_tail():
     router = make_router()
-    primaries = set()
-    for question in range(20):
-        stream = RequestStream(router)
-        stream.on_message(request_headers({}))
-        body = chat_body("shared document " * 600 + f"question {question}")  # > prefix_length
-        primaries.add(target_header(stream.on_message(request_body(body)), "request_body"))
-        stream.close()
-    assert len(primaries) == 1
+    primaries: dict[int, set[str]] = {}
+    # Ten documents asked four times each, interleaved: none is hot enough to be spread.
+    for question in range(4):
+        for doc in range(10):
+            stream = RequestStream(router)
+            stream.on_message(request_headers({}))
+            body = chat_body(f"document {doc} " * 600 + f"question {question}")
+            primary = target_header(stream.on_message(request_body(body)), "request_body")
+            primaries.setdefault(doc, set()).add(primary)
+            stream.close()
+    assert all(len(hosts) == 1 for hosts in primaries.values())
+    assert len(set().union(*primaries.values())) > 1  # and the documents spread
 
 
 def test_overflow_at_threshold_moves_to_the_next_host():

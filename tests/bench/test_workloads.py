@@ -229,15 +229,17 @@ def test_multi_tenant_salts_by_header_or_body_and_shares_the_system_prompt():
         assert (in_header is None) != (in_body is None)  # exactly one way
         assert (in_header or in_body) == request.group
         (header_tenants if in_header else body_tenants).add(request.group)
-    assert len(header_tenants) == 6
-    assert body_tenants == {"tenant-6", "tenant-7"}
+    assert len(header_tenants) == 24
+    assert body_tenants == {f"tenant-{n}" for n in range(24, 32)}
     systems = {r.group: system_text(r) for r in requests}
-    assert len(systems) == 8
-    shared_chars = 4096 * CHARS_PER_TOKEN
+    assert len(systems) == 32
+    shared_chars = 2048 * CHARS_PER_TOKEN
     assert len({s[:shared_chars] for s in systems.values()}) == 1  # the shared prompt
     contexts = {s[shared_chars:] for s in systems.values()}
-    assert len(contexts) == 8  # then each tenant's own context
-    assert all(len(s) >= (4096 + 1024) * CHARS_PER_TOKEN for s in systems.values())
+    assert len(contexts) == 32  # then each tenant's own context
+    assert all(len(s) >= (2048 + 6144) * CHARS_PER_TOKEN for s in systems.values())
+    # More than three simulated instances' caches (64k tokens each) hold: it cannot all fit.
+    assert sum(len(s) for s in systems.values()) // CHARS_PER_TOKEN > 3 * 64_000
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -145,6 +145,9 @@ class ContainerStack:
             "metrics_listen": join(self.control_plane_metrics),
             "hosts": sorted(self.fleet),
             "health": {"interval_s": 0.5, "unhealthy_threshold": 2, "healthy_threshold": 1},
+            # Placement by hash alone, so that a restarted router's placements can be
+            # compared with the first router's exactly (cache pressure moves new prefixes).
+            "load_feed": {"pressure_factor": None},
         }
         self._write("control-plane.yaml", yaml.safe_dump(config))
         metrics = f"http://{join(self.control_plane_metrics)}/metrics"

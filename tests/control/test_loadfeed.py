@@ -266,3 +266,20 @@ async def test_run_stops_during_a_long_interval() -> None:
     async with asyncio.timeout(5):
         await runner
     assert time.monotonic() - started < 0.5
+
+
+def test_cache_config_info_gives_the_kv_cache_size_summed_over_engines():
+    text = (
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+        "# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",'
+        'num_gpu_blocks="1700",num_gpu_blocks_override="None"} 1.0\n'
+        'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="1300"} 1.0\n'
+    )
+    assert parse_vllm_metrics(text, 0.0).cache_capacity_tokens == (1700 + 1300) * 16
+
+
+def test_a_cache_config_without_a_block_count_is_unknown_not_an_error():
+    text = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\n'
+    assert parse_vllm_metrics(text, 0.0).cache_capacity_tokens == 0.0
+    assert parse_vllm_metrics("", 0.0).cache_capacity_tokens == 0.0

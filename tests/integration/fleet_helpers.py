@@ -17,7 +17,9 @@ from extproc.stack.processes import wait_until
 
 def fleet_spec(backends: int = 3, **overrides) -> StackSpec:
     settings = {
-        "sim_args": ("--ttft-ms", "0", "--itl-ms", "20"),
+        # Caches large enough that no test prefix is evicted: placements then show routing
+        # alone (an evicted prefix is placed afresh, by its anchor and the cache pressure).
+        "sim_args": ("--ttft-ms", "0", "--itl-ms", "20", "--capacity-blocks", "40000"),
         "router_settings": {"concurrency_threshold": 4, "prefix_length": 4096},
         "control_plane_settings": FAST_CONTROL_PLANE,
         **overrides,

@@ -17,11 +17,13 @@ from .conftest import fleet
 BUFFER_LIMIT = BootstrapParams.buffer_limit_bytes
 
 
-def chat_of_size(size: int) -> bytes:
-    """A valid chat body of exactly ``size`` bytes."""
+def chat_of_size(size: int, tag: str = "") -> bytes:
+    """A valid chat body of exactly ``size`` bytes, its text starting with ``tag`` (so that
+    bodies of different tests do not share one hot prefix)."""
     head = b'{"model":"sim-model","max_tokens":1,"messages":[{"role":"user","content":"'
     tail = b'"}]}'
-    return head + b"a" * (size - len(head) - len(tail)) + tail
+    text = (tag or str(size)).encode()
+    return head + text + b"a" * (size - len(head) - len(tail) - len(text)) + tail
 
 
 def assert_delivered(stack: LocalStack, response: httpx.Response, body: bytes) -> None:
@@ -78,7 +80,7 @@ def test_slow_drip_body_is_routed_and_delivered(stack: LocalStack, client):
 
 BAD_BODIES = {
     "non-json": (b"this is not json at all " * 100, {}),
-    "truncated-json": (chat_of_size(5000)[:3000], {}),
+    "truncated-json": (chat_of_size(5000, "truncated")[:3000], {}),
     "invalid-utf8": (b'{"messages":[{"role":"user","content":"\xff\xfe\xfd"}]}', {}),
     "gzip": (gzip.compress(chat_of_size(5000)), {"content-encoding": "gzip"}),
     "deeply-nested": (b'{"messages":' + b"[" * 50_000 + b"]" * 50_000 + b"}", {}),

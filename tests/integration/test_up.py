@@ -73,18 +73,17 @@ def test_up_serves_with_affinity_and_stops_cleanly(tmp_path):
         children = children_of(up.pid)
         assert len(children) == 6  # 3 simulators, the control plane, the router and Envoy
 
-        hosts = set()
-        for question in range(5):
-            body = {
-                "model": "sim-model",
-                "messages": [{"role": "user", "content": "shared " * 2000 + str(question)}],
-            }
-            response = httpx.post(
-                f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=10
-            )
-            assert response.status_code == 200
-            hosts.add(response.headers["x-upstream-host"])
-        assert len(hosts) == 1
+        hosts: dict[int, set[str]] = {}
+        for question in range(3):
+            for document in range(6):
+                text = f"document {document} " * 1000 + f"question {question}"
+                body = {"model": "sim-model", "messages": [{"role": "user", "content": text}]}
+                response = httpx.post(
+                    f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=10
+                )
+                assert response.status_code == 200
+                hosts.setdefault(document, set()).add(response.headers["x-upstream-host"])
+        assert all(len(served) == 1 for served in hosts.values())
 
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=30) == 0

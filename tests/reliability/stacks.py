@@ -13,17 +13,24 @@ from extproc.stack.processes import wait_until
 
 from .steady import CHAT, chat
 
-# No overflow at this traffic level, so a prefix's host is a pure function of the host
-# set and placements can be compared exactly while background traffic runs.
+# No overflow at this traffic level, and placement by hash alone (no cache-pressure
+# weights, which move new prefixes as the load shifts), so placements can be compared
+# exactly while background traffic runs.
 PINNED_ROUTING = {"concurrency_threshold": 64, "balance_factor": None, "prefix_length": 4096}
-SIM_ARGS = ("--ttft-ms", "0", "--itl-ms", "20")
+PINNED_CONTROL_PLANE = {
+    **FAST_CONTROL_PLANE,
+    "load_feed": {**FAST_CONTROL_PLANE["load_feed"], "pressure_factor": None},
+}
+# Caches that hold every test prefix: nothing is evicted, so a prefix's host changes only
+# when routing moves it.
+SIM_ARGS = ("--ttft-ms", "0", "--itl-ms", "20", "--capacity-blocks", "40000")
 
 
 def reliability_spec(backends: int = 3, **overrides: Any) -> StackSpec:
     settings: dict[str, Any] = {
         "sim_args": SIM_ARGS,
         "router_settings": PINNED_ROUTING,
-        "control_plane_settings": FAST_CONTROL_PLANE,
+        "control_plane_settings": PINNED_CONTROL_PLANE,
         **overrides,
     }
     return StackSpec.ephemeral(backends, **settings)

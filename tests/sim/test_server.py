@@ -626,3 +626,56 @@ async def test_time_scale_can_change_at_run_time(
         async with session.post(f"{base}/sim/time_scale", json={"time_scale": 1.0}) as resp:
             assert resp.status == 200
         assert await streamed_ttft(session, base, prompt + "y" * 64) >= 0.058
+
+
+@pytest.mark.parametrize("timing", ["fixed", "model"])
+async def test_the_next_turn_hits_the_reply_the_instance_generated(
+    start: Start, session: aiohttp.ClientSession, timing: str
+) -> None:
+    from extproc.sim.responses import reply_text
+
+    overrides = {"timing": timing, "time_scale": 0.0} if timing == "model" else {}
+    first = [{"role": "user", "content": "q" * (2 * BLOCK_CHARS)}]
+    async with start(**overrides) as base:
+        async with session.post(
+            f"{base}/v1/chat/completions",
+            json={**chat_body(""), "messages": first, "max_tokens": 64},
+        ) as resp:
+            reply = (await resp.json())["choices"][0]["message"]["content"]
+        assert reply == reply_text(64)  # 64 tokens of 4 characters: 4 blocks
+        hits_before = await metric(session, base, "vllm:prefix_cache_hits_total")
+        second = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "?"}]
+        async with session.post(
+            f"{base}/v1/chat/completions", json={**chat_body(""), "messages": second}
+        ) as resp:
+            assert resp.status == 200
+            await resp.read()
+        hits = await metric(session, base, "vllm:prefix_cache_hits_total") - hits_before
+        # The first prompt's blocks and the reply's full blocks (all but the last token's).
+        from extproc.sim.prompt import prompt_text
+
+        prompt = prompt_text("chat", {"messages": first})
+        expected_blocks = (len(prompt) + len(reply) - 4) // BLOCK_CHARS
+        assert hits == expected_blocks * 16
+        assert expected_blocks * BLOCK_CHARS > len(prompt) + BLOCK_CHARS  # reply blocks count
+
+
+async def test_cache_config_info_states_the_kv_cache_size(
+    start: Start, session: aiohttp.ClientSession
+) -> None:
+    from extproc.control.loadfeed import parse_vllm_metrics
+
+    async with (
+        start(capacity_blocks=321, block_size_tokens=32) as base,
+        session.get(f"{base}/metrics") as response,
+    ):
+        text = await response.text()
+    (sample,) = [
+        s
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "vllm:cache_config_info"
+    ]
+    assert sample.value == 1
+    assert (sample.labels["num_gpu_blocks"], sample.labels["block_size"]) == ("321", "32")
+    assert parse_vllm_metrics(text, 0.0).cache_capacity_tokens == 321 * 32

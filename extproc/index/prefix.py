@@ -1,0 +1,130 @@
+"""The prefix index: which hosts recently received which prompt prefixes.
+
+Each host has an LRU set of block hashes (``HostBlocks``), sized like the host's own KV
+cache: ``num_gpu_blocks x block_size`` tokens from ``vllm:cache_config_info`` (carried by
+the load feed), at ``chars_per_token`` characters a token, in index blocks of
+``block_bytes``. When an engine must have evicted a prefix, the index has too. The sum over
+hosts never exceeds ``max_blocks``: when the engines together hold more, every host's share
+is scaled down alike. A host that leaves the fleet, restarts or clears its cache loses its
+entries.
+
+The decision reads a ``PrefixLookup`` (the matched depth on each host), an immutable value;
+only ``record`` and the fleet changes mutate the index.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from extproc.index.hosts import HostBlocks
+from extproc.picker.blocks import PrefixLookup, PromptBlocks
+
+
+@dataclass(frozen=True, slots=True)
+class IndexSizing:
+    """How big the index may grow."""
+
+    block_bytes: int
+    # Upper bound on blocks held, over all hosts: the index's memory bound.
+    max_blocks: int
+    # A host whose cache size is unknown is assumed to hold this many tokens.
+    default_host_tokens: int
+    chars_per_token: float
+
+    def blocks_for_tokens(self, tokens: float) -> int:
+        return max(1, math.floor(tokens * self.chars_per_token / self.block_bytes))
+
+
+class PrefixIndex:
+    def __init__(self, sizing: IndexSizing) -> None:
+        self.sizing = sizing
+        self._hosts: dict[str, HostBlocks] = {}
+        # Engine cache sizes in tokens, as published; absent: unknown.
+        self._cache_tokens: dict[str, float] = {}
+        # Blocks dropped, by reason: capacity (LRU), host_left, host_reset.
+        self.evicted: dict[str, int] = {"capacity": 0, "host_left": 0, "host_reset": 0}
+
+    # --- what the decision reads
+
+    def lookup(self, blocks: PromptBlocks, hosts: Iterable[str]) -> PrefixLookup:
+        matched = {}
+        hashes = blocks.hashes
+        if hashes:
+            for host in hosts:
+                held = self._hosts.get(host)
+                if held is not None:
+                    depth = held.matched_depth(hashes)
+                    if depth:
+                        matched[host] = depth
+        return PrefixLookup(blocks, MappingProxyType(matched))
+
+    # --- what changes it
+
+    def record(self, host: str, lookup: PrefixLookup) -> None:
+        """``host`` received the prompt of ``lookup`` (made by ``lookup`` just before)."""
+        hashes = lookup.blocks.hashes
+        if not hashes:
+            return
+        held = self._hosts.get(host)
+        if held is None:
+            held = self._hosts[host] = HostBlocks(self._capacity_of(host))
+            self.resize()  # a new host's share may shrink the others'
+        self.evicted["capacity"] += held.touch(hashes, lookup.depth_on(host))
+
+    def retain(self, hosts: Iterable[str]) -> None:
+        """Forget every host not in ``hosts`` (the newly published fleet)."""
+        keep = set(hosts)
+        for host in [h for h in self._hosts if h not in keep]:
+            self.evicted["host_left"] += len(self._hosts.pop(host))
+        for host in [h for h in self._cache_tokens if h not in keep]:
+            del self._cache_tokens[host]
+        self.resize()
+
+    def forget(self, host: str) -> None:
+        """``host`` restarted or cleared its cache: nothing it held is there any more."""
+        held = self._hosts.pop(host, None)
+        if held is not None:
+            self.evicted["host_reset"] += len(held)
+
+    def set_cache_sizes(self, tokens: Mapping[str, float]) -> None:
+        """Engine cache sizes in tokens (0 or absent: unknown); shrinks hosts as needed."""
+        known = {h: t for h, t in tokens.items() if t > 0}
+        if known != self._cache_tokens:
+            self._cache_tokens = known
+            self.resize()
+
+    def clear(self) -> None:
+        """Forget everything (the routing settings the index depends on changed)."""
+        for host in list(self._hosts):
+            self.forget(host)
+
+    # --- sizes, for metrics and tests
+
+    def __len__(self) -> int:
+        return sum(len(h) for h in self._hosts.values())
+
+    def host_sizes(self) -> Mapping[str, int]:
+        return {host: len(held) for host, held in self._hosts.items()}
+
+    def capacity_of(self, host: str) -> int:
+        return self._capacity_of(host)
+
+    def _engine_blocks(self, host: str) -> int:
+        tokens = self._cache_tokens.get(host, self.sizing.default_host_tokens)
+        return self.sizing.blocks_for_tokens(tokens)
+
+    def _capacity_of(self, host: str) -> int:
+        hosts = set(self._hosts) | set(self._cache_tokens) | {host}
+        total = sum(self._engine_blocks(h) for h in hosts)
+        own = self._engine_blocks(host)
+        if total <= self.sizing.max_blocks:
+            return own
+        return max(1, math.floor(own * self.sizing.max_blocks / total))
+
+    def resize(self) -> None:
+        """Apply the current sizing to every host (after a config or fleet change)."""
+        for host, held in self._hosts.items():
+            self.evicted["capacity"] += held.shrink(self._capacity_of(host))

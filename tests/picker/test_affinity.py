@@ -1,0 +1,186 @@
+"""PREFIX_AWARE by longest match: property tests of the pure decision."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc.errors import NoHostsError
+from extproc.picker.affinity import LoadPolicy, PrefixHeat, anchor_order, decide_prefix
+from extproc.picker.blocks import PrefixLookup, prompt_blocks
+from extproc.picker.decide import Outcome
+from extproc.picker.hosts import HostSet
+from extproc.picker.placement import placement_order
+
+ADDRESSES = [f"127.0.0.{i}:8000" for i in range(1, 30)]
+BLOCK = 64
+POLICY = LoadPolicy(
+    concurrency_threshold=16, balance_factor=1.5, balance_min_in_flight=4, overload_cost=0.25
+)
+
+host_sets = st.lists(st.sampled_from(ADDRESSES), min_size=1, max_size=9, unique=True).map(
+    HostSet.of
+)
+prompt_bytes = st.binary(min_size=0, max_size=BLOCK * 12)
+
+
+def lookup_of(data: bytes, matched: dict[str, int] | None = None) -> PrefixLookup:
+    blocks = prompt_blocks(data, BLOCK, 0)
+    depths = {h: min(d, blocks.depth) for h, d in (matched or {}).items() if d}
+    return PrefixLookup(blocks, depths)
+
+
+COLD = PrefixHeat()
+
+
+def decide(lookup, hosts, loads=None, heat=COLD, weights=None, policy=POLICY):
+    return decide_prefix(lookup, heat, hosts, loads or {}, weights or {}, policy, 2)
+
+
+@st.composite
+def situations(draw):
+    hosts = draw(host_sets)
+    data = draw(prompt_bytes)
+    addresses = [h.address for h in hosts.hosts]
+    matched = draw(st.dictionaries(st.sampled_from(addresses), st.integers(0, 12), max_size=4))
+    loads = draw(st.dictionaries(st.sampled_from(addresses), st.integers(0, 24), max_size=9))
+    depth = draw(st.integers(0, 12))
+    replicas = draw(st.integers(1, len(addresses)))
+    return hosts, lookup_of(data, matched), loads, PrefixHeat(depth, replicas)
+
+
+@given(situations())
+@settings(max_examples=400)
+def test_targets_are_distinct_members_and_the_threshold_is_a_hard_cap(situation):
+    hosts, lookup, loads, heat = situation
+    decision = decide(lookup, hosts, loads, heat)
+    assert set(decision.targets) <= hosts.addresses
+    assert len(set(decision.targets)) == len(decision.targets) == min(len(hosts), 3)
+    under = [a for a in hosts.addresses if loads.get(a, 0) < POLICY.concurrency_threshold]
+    if under:
+        assert decision.primary in under
+        assert decision.outcome is not Outcome.SATURATED
+    else:
+        assert decision.outcome is Outcome.SATURATED
+        assert loads[decision.primary] == min(loads.values())
+
+
+@given(situations())
+@settings(max_examples=300)
+def test_the_same_inputs_give_the_same_decision(situation):
+    # Two router replicas with the same view agree without talking to each other.
+    hosts, lookup, loads, heat = situation
+    assert decide(lookup, hosts, loads, heat) == decide(lookup, hosts, dict(loads), heat)
+
+
+@given(situations())
+@settings(max_examples=300)
+def test_a_lightly_loaded_fleet_never_overflows(situation):
+    hosts, lookup, loads, heat = situation
+    light = {a: min(load, POLICY.balance_min_in_flight - 1) for a, load in loads.items()}
+    assert decide(lookup, hosts, light, heat).outcome is not Outcome.OVERFLOW
+
+
+def test_two_overlapping_requests_at_an_idle_fleet_share_a_host():
+    hosts = HostSet.of(ADDRESSES[:7])
+    lookup = lookup_of(b"d" * BLOCK * 8)
+    first = decide(lookup, hosts)
+    held = lookup_of(b"d" * BLOCK * 8, {first.primary: 8})
+    for in_flight in range(1, POLICY.balance_min_in_flight):
+        second = decide(held, hosts, {first.primary: in_flight})
+        assert second.primary == first.primary
+        assert second.outcome is Outcome.PLACED
+
+
+def test_the_host_holding_the_longest_match_wins_it():
+    hosts = HostSet.of(ADDRESSES[:7])
+    data = b"c" * BLOCK * 10
+    home = decide(lookup_of(data), hosts).primary
+    elsewhere = next(a for a in sorted(hosts.addresses) if a != home)
+    decision = decide(lookup_of(data, {home: 3, elsewhere: 9}), hosts)
+    assert decision.primary == elsewhere
+    assert decision.outcome is Outcome.MATCHED
+
+
+def test_a_hot_prefix_is_spread_over_its_consistent_replicas():
+    hosts = HostSet.of(ADDRESSES[:7])
+    document = b"h" * BLOCK * 8
+    spread = {
+        h.address
+        for h in placement_order(prompt_blocks(document, BLOCK, 0).prefix_hash(8), hosts)[:3]
+    }
+    served = Counter()
+    for question in range(300):
+        lookup = lookup_of(document + f"question {question}".encode(), dict.fromkeys(spread, 8))
+        served[decide(lookup, hosts, heat=PrefixHeat(8, 3)).primary] += 1
+    assert set(served) == spread
+    assert min(served.values()) > 60  # about a third each
+
+
+def test_a_cold_prefix_stays_home_while_a_hot_one_moves_off_a_loaded_host():
+    hosts = HostSet.of(ADDRESSES[:7])
+    cold = b"c" * BLOCK * 10
+    home = decide(lookup_of(cold), hosts).primary
+    # The fleet is busy and home is two requests over its balance bound.
+    loads = dict.fromkeys(hosts.addresses, 4) | {home: 9}
+    stay = decide(lookup_of(cold + b"?", {home: 10}), hosts, loads)
+    assert stay.primary == home
+    hot = b"h" * BLOCK * 10
+    order = placement_order(prompt_blocks(hot, BLOCK, 0).prefix_hash(10), hosts)
+    spread = [h.address for h in order[:2]]
+    loads = dict.fromkeys(hosts.addresses, 4) | {spread[0]: 9}
+    for question in range(20):
+        lookup = lookup_of(hot + f"q{question}".encode(), dict.fromkeys(spread, 10))
+        moved = decide(lookup, hosts, loads, PrefixHeat(10, 2))
+        assert moved.primary == spread[1]
+
+
+def test_far_over_its_bound_even_a_cached_prompt_moves():
+    hosts = HostSet.of(ADDRESSES[:3])
+    data = b"x" * BLOCK * 10
+    home = decide(lookup_of(data), hosts).primary
+    loads = dict.fromkeys(hosts.addresses, 1) | {home: 12}
+    decision = decide(lookup_of(data, {home: 10}), hosts, loads)
+    assert decision.primary != home
+    assert decision.outcome is Outcome.OVERFLOW
+
+
+@given(host_sets.filter(lambda h: len(h) >= 2), st.data())
+@settings(max_examples=40)
+def test_removing_a_host_moves_only_the_new_prefixes_it_held(hosts, data):
+    removed = data.draw(st.sampled_from(sorted(hosts.addresses)))
+    smaller = HostSet.of([a for a in hosts.addresses if a != removed])
+    for n in range(200):
+        lookup = lookup_of(f"document {n} ".encode() * 20)
+        before = decide(lookup, hosts).primary
+        if before != removed:
+            assert decide(lookup, smaller).primary == before
+
+
+def test_placement_weights_steer_new_prefixes_and_only_new_ones():
+    hosts = HostSet.of(ADDRESSES[:4])
+    busy = ADDRESSES[0]
+    weights = dict.fromkeys(hosts.addresses, 1.0) | {busy: 0.1}
+    counts = Counter()
+    for n in range(2000):
+        lookup = lookup_of(f"new prefix {n} ".encode() * 10)
+        counts[decide(lookup, hosts, weights=weights).primary] += 1
+    assert counts[busy] < 2000 * 0.1
+    cached = lookup_of(b"k" * BLOCK * 6, {busy: 6})
+    assert decide(cached, hosts, weights=weights).primary == busy
+
+
+def test_anchor_order_covers_every_host_spread_first():
+    hosts = HostSet.of(ADDRESSES[:6])
+    lookup = lookup_of(b"z" * BLOCK * 6)
+    order, spread = anchor_order(lookup, PrefixHeat(3, 2), hosts, {})
+    assert len(order) == 6 and {h.address for h in order} == hosts.addresses
+    assert {h.address for h in order[:2]} == spread
+
+
+def test_an_empty_host_set_raises():
+    with pytest.raises(NoHostsError):
+        decide(lookup_of(b"x"), HostSet(()))
