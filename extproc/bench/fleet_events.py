@@ -159,9 +159,9 @@ a backend. Median of {options.rounds} rounds.
 {table}
 
 Prefixes the index knows to be cached keep their host when the fleet grows. New prefixes
-are placed by weighted rendezvous hashing of their anchor, weighted by cache pressure, so
-the new host, whose cache takes in nothing yet, draws at least its 1/4 share of them; when
-it leaves, only the prefixes it held move.
+are placed by rendezvous hashing of their anchor, the less pressed of its first two hosts
+first, so the new host, whose cache takes in nothing yet, draws at least its 1/4 share of
+them; when it leaves, only the prefixes it held move.
 
 ## Reproduce
 

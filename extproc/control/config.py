@@ -79,7 +79,7 @@ class LoadFeedSettings:
         default=0.2, metadata=doc("Seconds one scrape may take.", range=(0.01, "interval_s"))
     )
     rate_time_constant_s: float = field(
-        default=5.0,
+        default=10.0,
         metadata=doc(
             "Seconds over which each host's prompt-token rate (its cache pressure, which "
             "steers where routers place new prefixes) is smoothed.",

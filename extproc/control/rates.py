@@ -57,7 +57,7 @@ IDLE_TOKENS_PER_S = 50.0
 def placement_weights(
     rates: Mapping[str, float], hosts: Iterable[str], factor: float = 1.5
 ) -> dict[str, float]:
-    """Weights for weighted rendezvous placement of new prefixes: hosts whose rate is not
+    """Weights for the two-choice placement of new prefixes: hosts whose rate is not
     known yet weigh 1 and do not count in the mean; empty (all equal) when no rate is.
 
     Three levels, so that everyday fluctuation moves nothing: a host taking in less than
@@ -93,7 +93,7 @@ class CachePressure:
 
     def __init__(
         self,
-        time_constant_s: float = 5.0,
+        time_constant_s: float = 10.0,
         weights_interval_s: float = 0.5,
         factor: float | None = 1.5,
     ) -> None:

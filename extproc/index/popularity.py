@@ -96,8 +96,9 @@ def heat_of(
     depth = popularity.popular_depth(counted, min_count)
     if not depth:
         return PrefixHeat()
-    share = popularity.count(counted[depth - 1]) / requests
-    replicas = min(hosts, math.ceil(share * hosts / hot_factor))
+    count = popularity.count(counted[depth - 1])
+    replicas = min(hosts, math.ceil(count / requests * hosts / hot_factor))
+    parent = popularity.popular_depth(counted[: depth - 1], 2 * count)
     if depth > blocks.depth:  # the whole prompt too: one prompt, repeated
-        return PrefixHeat(blocks.depth, replicas, repeated=True)
-    return PrefixHeat(depth, replicas)
+        return PrefixHeat(blocks.depth, replicas, repeated=True, parent_depth=parent)
+    return PrefixHeat(depth, replicas, parent_depth=parent)

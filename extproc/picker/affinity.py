@@ -12,10 +12,11 @@ The decision, for one prompt:
    replicated to consistent second (third, ...) hosts and every replica of the router
    picks the same ones. A prompt with no popular prefix may go anywhere.
 2. **Anchor.** The first block past the popular prefix (the document, the conversation,
-   the tenant context) is the prompt's anchor. Weighted rendezvous hashing of the anchor
-   orders the spread, then the other hosts: a new prefix lands on a host chosen by hash
-   and by the placement weights (cache pressure), from state every router replica shares,
-   and every later prompt with the same anchor lands there too.
+   the tenant context) is the prompt's anchor. Rendezvous hashing of the anchor orders the
+   spread, then the other hosts; of the first two, the one with the greater placement
+   weight (the less pressed cache) goes first. So a new prefix lands on a host chosen by
+   hash and by cache pressure, from state every router replica shares, and every later
+   prompt with the same anchor lands there too.
 3. **Cost.** Each host below ``concurrency_threshold`` costs the share of the prompt it
    would have to prefill (on the spread, the popular prefix counts as cached: it is being
    replicated there; not for a prompt repeated as it is, which stays where it is cached)
@@ -36,7 +37,7 @@ from extproc.errors import NoHostsError
 from extproc.picker.blocks import PrefixLookup
 from extproc.picker.decide import Decision, Outcome, Strategy
 from extproc.picker.hosts import Host, HostSet
-from extproc.picker.placement import placement_order, weighted_order
+from extproc.picker.placement import placement_order, two_choice_order
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,10 @@ class PrefixHeat:
     # The whole prompt, as it is, is popular: one prompt repeated, not a prefix continued
     # in many ways. Its holders keep it; only load spreads it.
     repeated: bool = False
+    # Leading blocks carried by at least twice as many requests as the popular prefix:
+    # what it continues (a preamble every document shares), 0 if nothing. The popular
+    # prefix's anchor there is where it lived before it grew hot; its spread starts there.
+    parent_depth: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,11 +91,13 @@ def anchor_order(
     if any(held > depth for held in lookup.matched.values()):
         weights = {}
     if depth and heat.replicas < len(members):
-        spread = placement_order(blocks.prefix_hash(depth), hosts)[: max(1, heat.replicas)]
+        # Ordered by the anchor it had before it grew hot, so its first host stays its home.
+        home_anchor = blocks.anchor(min(heat.parent_depth, depth - 1))
+        spread = placement_order(home_anchor, hosts)[: max(1, heat.replicas)]
         rest = tuple(h for h in members if h not in spread)
-        order = weighted_order(anchor, spread, weights) + weighted_order(anchor, rest, weights)
+        order = two_choice_order(anchor, spread, weights) + two_choice_order(anchor, rest, weights)
         return order, frozenset(h.address for h in spread)
-    return weighted_order(anchor, members, weights), hosts.addresses
+    return two_choice_order(anchor, members, weights), hosts.addresses
 
 
 def decide_prefix(
@@ -114,16 +121,19 @@ def decide_prefix(
     bound = balance_bound(hosts, loads, policy)
     cap = policy.concurrency_threshold
     overload_cost = policy.overload_cost
-    # One pass in the anchor's order; strict comparisons keep the earliest of equals.
-    chosen = unloaded = least = None
-    chosen_cost = unloaded_prefill = least_load = math.inf
+    # One pass in the anchor's order; strict comparisons keep the earliest of equals, but of
+    # two equals that both really hold the prompt, the less loaded: they cost the same
+    # cache, so load decides, and a prompt cached twice is shared between its holders.
+    chosen = least = unloaded = None
+    chosen_cost = chosen_load = chosen_prefill = unloaded_prefill = least_load = math.inf
+    chosen_holds = False
     for host in order:
         address = host.address
-        held = matched.get(address, 0)
+        held = held_really = matched.get(address, 0)
         if held < depth and address in spread and not heat.repeated:
             held = depth
         prefill = (length - held * block_bytes) / length
-        if prefill < unloaded_prefill:
+        if prefill < unloaded_prefill:  # where it would go, were load no object
             unloaded, unloaded_prefill = host, prefill
         load = loads.get(address, 0)
         if load < least_load:
@@ -131,12 +141,20 @@ def decide_prefix(
         if load >= cap:
             continue
         cost = prefill + max(0.0, load + 1 - bound) * overload_cost
-        if cost < chosen_cost:
-            chosen, chosen_cost = host, cost
+        # Really holds it: more than the popular prefix (all of it, if repeated as it is).
+        holds = held_really > depth or (heat.repeated and held_really >= depth > 0)
+        if cost < chosen_cost or (
+            cost == chosen_cost and holds and chosen_holds and load < chosen_load
+        ):
+            chosen, chosen_cost, chosen_load, chosen_prefill = host, cost, load, prefill
+            chosen_holds = holds
     if chosen is None:
         assert least is not None
         return Decision(_targets(least, order, failover), Outcome.SATURATED, Strategy.PREFIX_AWARE)
-    if chosen is not unloaded:
+    assert unloaded is not None
+    unloaded_holds = matched.get(unloaded.address, 0) > depth or heat.repeated
+    shared = chosen_prefill == unloaded_prefill and chosen_holds and unloaded_holds
+    if chosen is not unloaded and not shared:  # load moved it, not a holder's tie
         outcome = Outcome.OVERFLOW
     elif chosen is order[0]:
         outcome = Outcome.PLACED

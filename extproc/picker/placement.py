@@ -8,7 +8,6 @@ an overflowing key goes, so overflow warms a consistent second cache.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import xxhash
@@ -34,27 +33,22 @@ def placement_order(digest: int, hosts: HostSet) -> tuple[Host, ...]:
     return tuple(sorted(hosts.hosts, key=lambda host: _score(digest, host), reverse=True))
 
 
-_SCALE = 1.0 / 2.0**64
-
-
-def weighted_order(
+def two_choice_order(
     anchor: int, hosts: tuple[Host, ...], weights: Mapping[str, float] | None = None
 ) -> tuple[Host, ...]:
-    """``hosts`` best first for ``anchor``, by weighted rendezvous hashing.
+    """``hosts`` best first for ``anchor``: rendezvous order, but of its first two hosts the
+    one with the greater weight (the less pressed cache) goes first.
 
-    Host h scores ``w_h / -ln(u_h)`` with ``u_h`` uniform in (0, 1) from the anchor and the
-    host, so each host comes first for a share of anchors proportional to its weight, and
-    changing one host's weight moves only anchors to or from that host. Equal (or no)
-    weights give the same order as ``placement_order``.
+    The power of two choices: each anchor has two consistent candidates, and pressure
+    only picks between them. So new prefixes avoid a pressed host and flow to an idle one,
+    while a change of weights can move an anchor only between its own two candidates, and
+    equal (or no) weights give exactly ``placement_order``.
     """
     key = anchor.to_bytes(8, "little")
     hash_ = xxhash.xxh3_64_intdigest
-    if not weights:
-        return tuple(sorted(hosts, key=lambda host: hash_(key, host.identity), reverse=True))
-    log = math.log
-
-    def score(host: Host) -> float:
-        uniform = (hash_(key, host.identity) + 0.5) * _SCALE
-        return weights.get(host.address, 1.0) / -log(uniform)
-
-    return tuple(sorted(hosts, key=score, reverse=True))
+    order = sorted(hosts, key=lambda host: hash_(key, host.identity), reverse=True)
+    if weights and len(order) > 1:
+        first, second = order[0], order[1]
+        if weights.get(second.address, 1.0) > weights.get(first.address, 1.0):
+            order[0], order[1] = second, first
+    return tuple(order)

@@ -96,3 +96,13 @@ def test_a_fair_share_by_chance_is_not_hot():
         popularity.observe(blocks_of(0 if n % 3 == 0 else n, n).counted)
     # Only the preamble every document shares is hot, not the conversation's own blocks.
     assert heat_of(popularity, blocks_of(0, 50), hosts=3, hot_factor=1.0).depth == 4
+
+
+def test_a_hot_document_after_a_shared_preamble_knows_what_it_continues():
+    popularity = PrefixPopularity()
+    for n in range(120):
+        # Every request carries the preamble; a third of them document 0.
+        popularity.observe(blocks_of(0 if n % 3 == 0 else n, n).counted)
+    heat = heat_of(popularity, blocks_of(0, 999), hosts=7, hot_factor=1.0)
+    assert heat.depth == len(document(0)) and heat.replicas == 3
+    assert heat.parent_depth == 4  # the preamble: where document 0 lived while cold

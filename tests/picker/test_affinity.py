@@ -105,13 +105,25 @@ def test_the_host_holding_the_longest_match_wins_it():
     assert decision.outcome is Outcome.MATCHED
 
 
+def test_a_prompt_cached_twice_goes_to_the_less_loaded_holder():
+    hosts = HostSet.of(ADDRESSES[:7])
+    data = b"t" * BLOCK * 6
+    first = decide(lookup_of(data), hosts).primary
+    other = next(a for a in sorted(hosts.addresses) if a != first)
+    both = lookup_of(data, {first: 6, other: 6})
+    assert decide(both, hosts).primary == first  # equal load: the anchor's order
+    decision = decide(both, hosts, {first: 2, other: 1})
+    assert decision.primary == other
+    assert decision.outcome is Outcome.MATCHED  # no cache lost: not an overflow
+
+
 def test_a_hot_prefix_is_spread_over_its_consistent_replicas():
     hosts = HostSet.of(ADDRESSES[:7])
     document = b"h" * BLOCK * 8
-    spread = {
-        h.address
-        for h in placement_order(prompt_blocks(document, BLOCK, 0).prefix_hash(8), hosts)[:3]
-    }
+    # The spread: the first hosts of the order the document had before it grew hot.
+    home_order = placement_order(prompt_blocks(document, BLOCK, 0).anchor(0), hosts)
+    spread = {h.address for h in home_order[:3]}
+    assert home_order[0].address == decide(lookup_of(document), hosts).primary
     served = Counter()
     for question in range(300):
         lookup = lookup_of(document + f"question {question}".encode(), dict.fromkeys(spread, 8))
@@ -129,7 +141,7 @@ def test_a_cold_prefix_stays_home_while_a_hot_one_moves_off_a_loaded_host():
     stay = decide(lookup_of(cold + b"?", {home: 10}), hosts, loads)
     assert stay.primary == home
     hot = b"h" * BLOCK * 10
-    order = placement_order(prompt_blocks(hot, BLOCK, 0).prefix_hash(10), hosts)
+    order = placement_order(prompt_blocks(hot, BLOCK, 0).anchor(0), hosts)
     spread = [h.address for h in order[:2]]
     loads = dict.fromkeys(hosts.addresses, 4) | {spread[0]: 9}
     for question in range(20):
