@@ -63,6 +63,11 @@ MATCHED_BYTES = Counter(
     "prefix index saw it; matched / prompt is the index's estimate of the hit rate",
 )
 INDEX_BLOCKS = Gauge("prefix_router_index_blocks", "Blocks the prefix index holds, over all hosts")
+INDEX_CAPACITY = Gauge(
+    "prefix_router_index_capacity_blocks",
+    "Blocks the prefix index may hold over the hosts it places over: each host's engine "
+    "cache, all within index_max_blocks",
+)
 INDEX_EVICTED = Counter(
     "prefix_router_index_evicted_blocks",
     "Blocks the prefix index forgot, by reason: capacity (LRU, as the engine's cache would), "

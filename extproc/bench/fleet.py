@@ -415,6 +415,11 @@ def run_path(fleet: Fleet, path: str, requests: list[BenchRequest]) -> PathResul
     if options.overhead_probes:
         overhead_ms = measure_overhead(fleet, url, _probe_body(requests), options.overhead_probes)
     if path in OUR_PATHS:
+        if options.overhead_probes:  # the probes taught the index one prompt: start afresh
+            stack.restart_routers(REPLICAS.get(path, 1))
+        # Every path starts from an idle fleet, as from cold caches: no cache pressure left
+        # from the path (or the probes) before.
+        stack.wait_for_idle_pressure()
         decisions_before = _router_counter(stack, "prefix_router_decisions_total")
         overflows_before = _router_counter(stack, "prefix_router_overflows_total")
         prompt_before = _router_counter(stack, "prefix_router_prompt_bytes_total")
@@ -516,7 +521,9 @@ def write_report(options: FleetBenchOptions, results: list[PathResult], count: i
 
 {count} requests of the `{options.workload.name}` workload, open loop, sent through each
 routing path in turn to the same {options.instances} simulated vLLM instances (prefix caches
-reset before each path). Times are model time (see below).
+reset before each path; before each of ours, the routers restart with an empty index and the
+run waits until no cache pressure is left from the path before). Times are model time (see
+below).
 
 {table}
 

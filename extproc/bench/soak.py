@@ -81,6 +81,8 @@ class SoakResult:
         return (
             self.in_flight_end == 0
             and self.final_state.get("open_streams", -1.0) == 0
+            and self.final_state.get("index_blocks", 0.0)
+            <= self.final_state.get("index_capacity_blocks", 0.0)
             and all(self.growth[name] <= bound for name in ("router", "control_plane"))
         )
 
@@ -125,9 +127,10 @@ class _RssSampler(threading.Thread):
 def state_sizes(stack: LocalStack, control_plane_metrics: str) -> dict[str, float]:
     """Every piece of state the router and control plane keep, as their metrics show it.
 
-    The router keeps no per-prefix state: placement is rendezvous hashing over the host
-    set. What it keeps is per host (the in-flight map, the host set, the load feed) or
-    per open stream; the control plane's is per host and per xDS stream.
+    The router's per-prefix state is its prefix index and popularity windows, each bounded
+    by configuration (the index by each engine's cache size, within ``index_max_blocks``).
+    The rest is per host (the in-flight map, the host set, the load feed) or per open
+    stream; the control plane's is per host and per xDS stream.
     """
     router = probes.scrape(stack.router_metrics_url)
     control = probes.scrape(control_plane_metrics)
@@ -142,6 +145,9 @@ def state_sizes(stack: LocalStack, control_plane_metrics: str) -> dict[str, floa
         "in_flight_series": probes.series(router, "prefix_router_in_flight_requests"),
         "router_hosts": probes.total(router, "prefix_router_hosts"),
         "feed_age_s": probes.total(router, "prefix_router_load_feed_age_seconds"),
+        "index_blocks": probes.total(router, "prefix_router_index_blocks"),
+        "index_capacity_blocks": probes.total(router, "prefix_router_index_capacity_blocks"),
+        "index_evicted_blocks": probes.total(router, "prefix_router_index_evicted_blocks_total"),
         "decisions": probes.total(router, "prefix_router_decisions_total"),
         "fallbacks": probes.total(router, "prefix_router_fallbacks_total"),
         "protocol_errors": probes.total(router, "prefix_router_protocol_errors_total"),

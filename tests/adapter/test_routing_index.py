@@ -72,6 +72,8 @@ def test_cache_sizes_from_the_feed_bound_each_host_and_a_restart_forgets_it():
     # 50 tokens at 4 characters each: 3 blocks of 64 bytes.
     r.set_feed({a: HostLoad(prefix_cache_queries=10, cache_capacity_tokens=50) for a in HOSTS})
     assert r.index.host_sizes()[host] == 3
+    # The bound the metrics show: 3 blocks for each of the hosts it places over.
+    assert REGISTRY.get_sample_value("prefix_router_index_capacity_blocks") == 3 * len(HOSTS)
     evicted = REGISTRY.get_sample_value(
         "prefix_router_index_evicted_blocks_total", {"reason": "capacity"}
     )
