@@ -79,20 +79,26 @@ def simulate(
     fleet: OfflineFleet,
     settings: Mapping[str, Any] | None = None,
     path: str = "router",
+    replicas: int = 1,
 ) -> OfflineResult:
-    """Route ``requests`` over ``fleet``: by our router with ``settings``, or (``path`` =
-    ``session-hash``) by consistent hashing of the session header, the ring_hash baseline."""
+    """Route ``requests`` over ``fleet``: by our router with ``settings`` (``replicas`` of
+    it, taking requests in turn as Envoy spreads its streams, each with only its own index),
+    or (``path`` = ``session-hash``) by consistent hashing of the session header, the
+    ring_hash baseline."""
     addresses = fleet.addresses
     caches = {
         a: PrefixCache(fleet.capacity_blocks, fleet.block_size_tokens, fleet.chars_per_token)
         for a in addresses
     }
     now = [0.0]
-    router = Router(
-        RouterConfig(hosts=addresses, **dict(settings or {})),
-        rng=random.Random(1),
-        clock=lambda: now[0],
-    )
+    routers = [
+        Router(
+            RouterConfig(hosts=addresses, **dict(settings or {})),
+            rng=random.Random(1 + replica),
+            clock=lambda: now[0],
+        )
+        for replica in range(replicas)
+    ]
     hosts = HostSet.of(addresses)
     ending: list[tuple[float, int, Any]] = []  # (end time, sequence, decision)
     served: Counter[str] = Counter()
@@ -106,10 +112,10 @@ def simulate(
     for sequence, request in enumerate(requests):
         now[0] = request.at_s
         while ending and ending[0][0] <= request.at_s:
-            _, _, finished, finished_host = heapq.heappop(ending)
+            _, finished_sequence, finished, finished_host = heapq.heappop(ending)
             in_flight[finished_host] -= 1
             if finished is not None:
-                router.finish(finished)
+                routers[finished_sequence % replicas].finish(finished)
         while next_feed <= request.at_s:
             loads = {
                 a: HostLoad(
@@ -122,16 +128,14 @@ def simulate(
                 for a in addresses
             }
             published = pressure.update(loads, next_feed)
-            router.set_feed(
-                {
-                    a: replace(
-                        load,
-                        prompt_tokens_per_s=published[a][0],
-                        placement_weight=published[a][1],
-                    )
-                    for a, load in loads.items()
-                }
-            )
+            feed = {
+                a: replace(
+                    load, prompt_tokens_per_s=published[a][0], placement_weight=published[a][1]
+                )
+                for a, load in loads.items()
+            }
+            for router in routers:
+                router.set_feed(feed)
             next_feed += fleet.feed_interval_s
         body = json.dumps(request.body).encode()
         if path == SESSION_HASH:
@@ -140,7 +144,7 @@ def simulate(
             decision = None
         else:
             headers = {k.lower(): v for k, v in request.headers.items()}
-            decision = router.route(headers, body)
+            decision = routers[sequence % replicas].route(headers, body)
             host = decision.primary
             outcomes[decision.outcome.value] += 1
         served[host] += 1

@@ -21,6 +21,17 @@ def test_the_offline_model_ranks_the_strategies_as_a_fleet_does():
     assert abs(sum(prefix.shares.values()) - 1) < 1e-9
 
 
+def test_the_offline_model_runs_router_replicas_side_by_side():
+    requests = generate(WorkloadSpec(name="long-context", rate_per_s=8, duration_s=20))
+    fleet = OfflineFleet()
+    one = simulate(requests, fleet)
+    two = simulate(requests, fleet, replicas=2)
+    random = simulate(requests, fleet, {"routing_strategy": "RANDOM"})
+    assert two.requests == sum(two.outcomes.values()) == len(requests)
+    # Each replica knows only its own half of the traffic, yet places alike.
+    assert random.hit_rate + 0.2 < two.hit_rate <= one.hit_rate + 0.02
+
+
 def test_cost_is_measured_step_by_step():
     cost = measure_cost(PrefixIndexOptions(iterations=50), 512, 7)
     assert cost.block_bytes == 512 and cost.hosts == 7
