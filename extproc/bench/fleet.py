@@ -42,6 +42,7 @@ import structlog
 from extproc.bench import report
 from extproc.bench.counters import prefix_counters
 from extproc.bench.loadgen import RequestOutcome, run_closed_loop, run_open_loop
+from extproc.bench.probes import wait_for_idle_pressure
 from extproc.bench.workloads import BenchRequest, WorkloadSpec, describe, generate
 from extproc.config import RouterConfig
 from extproc.control.loadfeed import parse_vllm_metrics
@@ -419,7 +420,7 @@ def run_path(fleet: Fleet, path: str, requests: list[BenchRequest]) -> PathResul
             stack.restart_routers(REPLICAS.get(path, 1))
         # Every path starts from an idle fleet, as from cold caches: no cache pressure left
         # from the path (or the probes) before.
-        stack.wait_for_idle_pressure()
+        wait_for_idle_pressure(stack)
         decisions_before = _router_counter(stack, "prefix_router_decisions_total")
         overflows_before = _router_counter(stack, "prefix_router_overflows_total")
         prompt_before = _router_counter(stack, "prefix_router_prompt_bytes_total")

@@ -9,6 +9,9 @@ from collections.abc import Mapping
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.stack.local import LocalStack
+from extproc.stack.processes import wait_until
+
 Samples = Mapping[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
@@ -40,6 +43,31 @@ def total(samples: Samples, name: str) -> float:
 def series(samples: Samples, name: str) -> int:
     """How many label sets ``name`` has: the size of the state behind a labelled gauge."""
     return sum(1 for sample, _ in samples if sample == name)
+
+
+def placement_weights(stack: LocalStack) -> dict[str, float]:
+    """The control plane's placement weights (cache pressure), by host address."""
+    samples = scrape(stack.control_plane_metrics_url)
+    return {
+        dict(labels)["host"]: value
+        for (name, labels), value in samples.items()
+        if name == "prefix_router_cp_placement_weight"
+    }
+
+
+def wait_for_idle_pressure(stack: LocalStack, timeout_s: float = 120.0) -> None:
+    """Wait until no host's cache pressure steers placement (every weight is 1): the
+    traffic of a run before, even one that bypassed the routers, has died away."""
+
+    def idle() -> bool:
+        try:
+            return all(weight == 1.0 for weight in placement_weights(stack).values())
+        except OSError:  # the control plane did not answer this time
+            return False
+
+    wait_until(
+        idle, timeout_s, "the cache pressure of earlier traffic to die away", stack.control_plane
+    )
 
 
 def cpu_seconds(pid: int) -> float:

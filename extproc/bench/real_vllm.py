@@ -36,6 +36,7 @@ import structlog
 
 from extproc.bench import report
 from extproc.bench.counters import prefix_counters
+from extproc.bench.probes import wait_for_idle_pressure
 from extproc.stack.local import LocalStack, StackSpec
 from extproc.stack.processes import free_port
 from extproc.stack.vllm import VllmOptions, make_model, start_vllm, vllm_python
@@ -259,7 +260,7 @@ def run_path(stack: LocalStack, scenario: str, path: str, options: RealVllmOptio
         stack.restart_routers()
         # The path before (one instance alone, say) pressed some caches more than others;
         # this path starts from an idle fleet, as it starts from cold caches.
-        stack.wait_for_idle_pressure()
+        wait_for_idle_pressure(stack)
         url, involved, default_host = stack.url, addresses, None
     _reset_caches(addresses)
     recorder = _Recorder(default_host)

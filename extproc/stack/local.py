@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.stack.bootstrap import BootstrapParams, Mode, render
 from extproc.stack.processes import (
@@ -63,22 +62,6 @@ def scrape_metric(url: str, name: str) -> float | None:
         if line.startswith(name + " "):
             return float(line.split(" ", 1)[1])
     return None
-
-
-def scrape_samples(url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
-    """Every sample of metric ``name`` at a Prometheus endpoint, by its sorted labels
-    (empty if the endpoint does not answer)."""
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            text = response.read().decode()
-    except OSError:
-        return {}
-    return {
-        tuple(sorted(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    }
 
 
 def envoy_binary() -> str:
@@ -335,23 +318,6 @@ class LocalStack:
     def control_plane_metric(self, name: str) -> float | None:
         """One unlabelled sample from the control plane's /metrics, or None."""
         return scrape_metric(self.control_plane_metrics_url, name)
-
-    def placement_weights(self) -> dict[str, float]:
-        """The control plane's placement weights (cache pressure), by host address."""
-        samples = scrape_samples(
-            self.control_plane_metrics_url, "prefix_router_cp_placement_weight"
-        )
-        return {dict(labels)["host"]: value for labels, value in samples.items()}
-
-    def wait_for_idle_pressure(self, timeout_s: float = 120.0) -> None:
-        """Wait until no host's cache pressure steers placement (every weight is 1): the
-        traffic of a run before, even one that bypassed the routers, has died away."""
-        wait_until(
-            lambda: all(w == 1.0 for w in self.placement_weights().values()),
-            timeout_s,
-            "the cache pressure of earlier traffic to die away",
-            self.control_plane,
-        )
 
     def router_metric(self, name: str, replica: int = 0) -> float | None:
         """One unlabelled sample from a router replica's /metrics, or None."""
