@@ -27,7 +27,3 @@ class ConfigError(RouterError):
 
 class NoHostsError(RouterError):
     """The published host set is empty, so no upstream can be chosen."""
-
-
-class ProtocolError(RouterError):
-    """Envoy sent an ext_proc message that the current phase does not expect."""

@@ -63,6 +63,10 @@ MATCHED_BYTES = Counter(
     "prefix index saw it; matched / prompt is the index's estimate of the hit rate",
 )
 INDEX_BLOCKS = Gauge("prefix_router_index_blocks", "Blocks the prefix index holds, over all hosts")
+POPULARITY_KEYS = Gauge(
+    "prefix_router_popularity_keys",
+    "Block counters the prefix popularity windows hold (at most twice their max_keys)",
+)
 INDEX_CAPACITY = Gauge(
     "prefix_router_index_capacity_blocks",
     "Blocks the prefix index may hold over the hosts it places over: each host's engine "

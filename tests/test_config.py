@@ -75,3 +75,45 @@ def test_malformed_files_are_config_errors(tmp_path):
     listy.write_text("- 1\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(listy, env={})
+
+
+def test_replace_validates_again():
+    config = RouterConfig()
+    assert config.replace(concurrency_threshold=8).concurrency_threshold == 8
+    with pytest.raises(ConfigError) as caught:
+        config.replace(concurrency_threshold=0)
+    assert caught.value.field == "concurrency_threshold"
+    assert config.concurrency_threshold == 32  # the original is untouched
+
+
+def test_env_turns_an_optional_field_off_and_reads_ipv6():
+    config = load_config(
+        env={"PREFIX_ROUTER_BALANCE_FACTOR": "off", "PREFIX_ROUTER_LISTEN": "[::1]:050051"}
+    )
+    assert config.balance_factor is None
+    assert config.listen == "[::1]:50051"
+
+
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [
+        ({"concurrency_threshold": True}, "concurrency_threshold"),
+        ({"concurrency_threshold": 4.0}, "concurrency_threshold"),
+        ({"chars_per_token": float("inf")}, "chars_per_token"),
+        ({"hosts": "127.0.0.1:8000"}, "hosts"),
+        ({"control_plane": "127.0.0.1:1", "hosts": ["127.0.0.2:1"]}, "hosts"),
+        ({"cluster": ""}, "cluster"),
+        ({"log_level": "verbose"}, "log_level"),
+    ],
+)
+def test_no_loose_coercion(settings, field):
+    with pytest.raises(ConfigError) as caught:
+        load_config(env={}, overrides=settings)
+    assert caught.value.field == field
+
+
+def test_numbers_are_floats_whatever_the_file_wrote(tmp_path):
+    path = tmp_path / "router.yaml"
+    path.write_text("chars_per_token: 3\nbalance_factor: 2\n")
+    config = load_config(path, env={})
+    assert type(config.chars_per_token) is float and type(config.balance_factor) is float

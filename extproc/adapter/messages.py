@@ -86,23 +86,3 @@ def unavailable(details: str) -> ProcessingResponse:
     header.header.raw_value = b"application/json"
     header.append_action = _OVERWRITE
     return response
-
-
-# --- what Envoy sends: for tests, benchmarks and tools that drive the router directly
-
-
-def request_headers(headers: dict[str, str], end_of_stream: bool = False) -> ProcessingRequest:
-    request = ProcessingRequest()
-    request.request_headers.end_of_stream = end_of_stream
-    for name, value in headers.items():
-        header = request.request_headers.headers.headers.add()
-        header.key = name
-        header.raw_value = value.encode("latin-1")
-    return request
-
-
-def request_body(body: bytes, end_of_stream: bool = True) -> ProcessingRequest:
-    request = ProcessingRequest()
-    request.request_body.body = body
-    request.request_body.end_of_stream = end_of_stream
-    return request

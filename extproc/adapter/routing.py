@@ -55,6 +55,7 @@ class Router:
         metrics.HOSTS.set(len(self.hosts))
         metrics.FEED_AGE.set_function(self.feed_age)
         metrics.INDEX_BLOCKS.set_function(lambda: len(self.index))
+        metrics.POPULARITY_KEYS.set_function(lambda: len(self.popularity))
         metrics.INDEX_CAPACITY.set_function(
             lambda: sum(self.index.capacity_of(a) for a in self.hosts.addresses)
         )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import signal
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -135,7 +134,7 @@ class ConfigReloader:
             kept = {f: getattr(old, f) for f in restart_only if getattr(new, f) != getattr(old, f)}
             if kept:
                 log.warning("config_reload_needs_restart", fields=sorted(kept))
-                new = dataclasses.replace(new, **kept)
+                new = new.replace(**kept)
         except ConfigError as error:
             metrics.CONFIG_RELOADS.labels("rejected").inc()
             log.error("config_reload_rejected", path=str(self._watch.path), error=str(error))

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import structlog
 
 from extproc.bench import report
+from extproc.control.config import ControlPlaneConfig
 from extproc.stack.local import LocalStack, StackSpec
 from extproc.stack.processes import free_port, wait_until
 
@@ -126,6 +128,30 @@ def run(options: FleetEventOptions) -> Path:
         result = one_round(options)
         log.info("bench.fleet_round", round=number, **result.__dict__)
         results.append(result)
+    health = ControlPlaneConfig().health
+    data = {
+        "kind": "fleet-events",
+        "format": 1,
+        "command": f"prefix-router bench fleet-events --rounds {options.rounds} "
+        f"--out {options.out_dir}",
+        "prefixes": options.prefixes,
+        "rounds": [asdict(r) for r in results],
+        # The control plane's defaults the run used.
+        "health": health.model_dump(),
+        "machine": report.machine_description(),
+    }
+    return report.write_rendered(options.out_dir, "fleet-events", data)
+
+
+# What the measures should be: none of the cached prefixes moves when a host joins, and the
+# newcomer takes at least its fair share of new ones.
+EXPECTED_CACHED_MOVED = 0.0
+EJECTION_BOUND_S = 2.5
+
+
+def render(data: dict[str, Any]) -> str:
+    rounds = [RoundResult(**r) for r in data["rounds"]]
+    count = len(rounds)
 
     def median(values: list[float], digits: int) -> str:
         return f"{report.median(values):.{digits}f}"
@@ -133,61 +159,71 @@ def run(options: FleetEventOptions) -> Path:
     def spread(values: list[float], digits: int) -> str:
         return f"{min(values):.{digits}f} to {max(values):.{digits}f}"
 
-    cached = [r.cached_moved_3_to_4 for r in results]
-    taken = [r.new_on_4th for r in results]
-    back = [r.moved_4_to_3 for r in results]
-    update = [r.envoy_update_s for r in results]
-    envoy = [r.ejection_envoy_s for r in results]
-    router = [r.ejection_router_s for r in results]
-    restored = f"{sum(r.restored for r in results)}/{len(results)}"
+    cached = [r.cached_moved_3_to_4 for r in rounds]
+    taken = [r.new_on_4th for r in rounds]
+    back = [r.moved_4_to_3 for r in rounds]
+    update = [r.envoy_update_s for r in rounds]
+    envoy = [r.ejection_envoy_s for r in rounds]
+    router = [r.ejection_router_s for r in rounds]
+    restored = sum(r.restored for r in rounds)
     rows = [
         ["cached prefixes moved to the 4th host", median(cached, 3), "0", spread(cached, 3)],
         ["new prefixes the 4th host took", median(taken, 3), "1/4 or more", spread(taken, 3)],
         ["new prefixes moved, 4 to 3", median(back, 3), "those on the 4th", spread(back, 3)],
-        ["every other prefix kept its host after 4 to 3", restored, "all rounds", ""],
+        ["every other prefix kept its host after 4 to 3", f"{restored}/{count}", "all rounds", ""],
         ["config edit to 4th host in Envoy and router (s)", median(update, 2), "", ""],
-        ["SIGKILL to ejected from Envoy (s)", median(envoy, 2), "under 2.5", spread(envoy, 2)],
+        ["SIGKILL to ejected from Envoy (s)", median(envoy, 2), f"under {EJECTION_BOUND_S}",
+         spread(envoy, 2)],
         ["SIGKILL to ejected from the router (s)", median(router, 2), "", spread(router, 2)],
-    ]
+    ]  # fmt: skip
     table = report.markdown_table(["measure", "median", "expected", "range"], rows)
-    text = f"""# Fleet events
+    held = [
+        ("no cached prefix moved when the 4th host joined", max(cached) == EXPECTED_CACHED_MOVED),
+        ("the 4th host took at least 1/4 of the new prefixes", min(taken) >= 0.25),
+        ("only the 4th host's prefixes moved when it left", restored == count),
+        (f"Envoy ejected the dead host within {EJECTION_BOUND_S} s", max(envoy) < EJECTION_BOUND_S),
+    ]
+    verdicts = "\n".join(
+        f"- {'held' if ok else 'did not hold'} in every round: {claim}" for claim, ok in held
+    )
+    health = data["health"]
+    prefixes = data["prefixes"]
+    return f"""# Fleet events
 
 Scaling and failure with the control plane's **default** settings (health checks every
-1 s, 0.5 s timeout, ejection after 2 failures, admission after 2 successes). Each round
-starts a fresh stack (3 simulated backends, the control plane, the router, Envoy in
-override-host mode), records where {options.prefixes} distinct prefixes are served, adds a
-4th backend by editing the control plane's config file, sends those prefixes again and
-{options.prefixes} new ones, removes the 4th backend, sends both sets again, then SIGKILLs
-a backend. Median of {options.rounds} rounds.
+{health["interval_s"]:g} s, {health["timeout_s"]:g} s timeout, ejection after
+{health["unhealthy_threshold"]} failures, admission after {health["healthy_threshold"]}
+successes). Each round starts a fresh stack (3 simulated backends, the control plane, the
+router, Envoy in override-host mode), records where {prefixes} distinct prefixes are served,
+adds a 4th backend by editing the control plane's config file, sends those prefixes again
+and {prefixes} new ones, removes the 4th backend, sends both sets again, then SIGKILLs a
+backend. Median of {count} rounds.
 
 {table}
 
-Prefixes the index knows to be cached keep their host when the fleet grows. New prefixes
-are placed by rendezvous hashing of their anchor, the less pressed of its first two hosts
-first, so the new host, whose cache takes in nothing yet, draws at least its 1/4 share of
-them; when it leaves, only the prefixes it held move.
+What this run shows, round by round:
+
+{verdicts}
+
+![fleet events](fleet-events.png)
 
 ## Reproduce
 
 ```
-prefix-router bench --workload fleet-events --rounds {options.rounds}
+{data["command"]}
 ```
 
-- Machine: {report.machine_description()}
+- Machine: {data["machine"]}
 """
-    options.out_dir.mkdir(parents=True, exist_ok=True)
-    path = options.out_dir / "fleet-events.md"
-    path.write_text(text + "\n![fleet events](fleet-events.png)\n")
-    _plot(results, options.out_dir / "fleet-events.png")
-    return path
 
 
-def _plot(results: list[RoundResult], path: Path) -> None:
+def render_plots(data: dict[str, Any], out_dir: Path, name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    results = [RoundResult(**r) for r in data["rounds"]]
     figure, (moves, times) = plt.subplots(1, 2, figsize=(10, 4))
     rounds = range(1, len(results) + 1)
     moves.bar(
@@ -216,5 +252,5 @@ def _plot(results: list[RoundResult], path: Path) -> None:
     times.set_ylabel("seconds")
     figure.suptitle("Fleet events with default control-plane settings")
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    figure.savefig(out_dir / f"{name}.png", dpi=100)
     plt.close(figure)

@@ -8,11 +8,13 @@ round, and the report quotes the median of the rounds, because this machine is n
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -98,29 +100,82 @@ def measure(options: OverheadOptions) -> dict[tuple[str, int], list[wrk.WrkResul
     return results
 
 
-def write_report(
+def document(
     options: OverheadOptions, results: dict[tuple[str, int], list[wrk.WrkResult]]
-) -> Path:
-    options.out_dir.mkdir(parents=True, exist_ok=True)
+) -> dict[str, Any]:
+    """The stored run: every wrk sample, the options and the machine, all the report needs."""
+    return {
+        "kind": "overhead",
+        "format": 1,
+        "command": "prefix-router bench overhead "
+        + shlex.join(
+            [
+                "--duration",
+                f"{options.duration_s:g}",
+                "--rounds",
+                str(options.rounds),
+                "--out",
+                str(options.out_dir),
+            ]
+        ),
+        "options": {
+            "duration_s": options.duration_s,
+            "rounds": options.rounds,
+            "concurrencies": list(options.concurrencies),
+            "body_bytes": options.body_bytes,
+            "distinct_prompts": options.distinct_prompts,
+        },
+        "samples": [
+            {"path": path, "connections": connections, **asdict(sample)}
+            for (path, connections), samples in results.items()
+            for sample in samples
+        ],
+        "machine": report.machine_description(),
+        # Taken after the run: a load well above the client's one core means other work
+        # shared the machine, and the latencies say so.
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "envoy": report.tool_version([envoy_binary(), "--version"]),
+        "wrk": report.tool_version(["wrk", "-v"]),
+    }
+
+
+def summarise(data: dict[str, Any]) -> dict[tuple[str, int], dict[str, float]]:
+    """The median over rounds of each path at each concurrency."""
+    grouped: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for sample in data["samples"]:
+        grouped.setdefault((sample["path"], sample["connections"]), []).append(sample)
+    return {
+        key: {
+            "p50": report.median(s["p50_ms"] for s in samples),
+            "p90": report.median(s["p90_ms"] for s in samples),
+            "p99": report.median(s["p99_ms"] for s in samples),
+            "rps": report.median(s["requests_per_s"] for s in samples),
+            "errors": sum(s["errors"] for s in samples),
+        }
+        for key, samples in grouped.items()
+    }
+
+
+# SageMaker's published routing overhead, and ours to meet (p50, c=1).
+SAGEMAKER_OVERHEAD_MS = (1.3, 1.9)
+TARGET_P50_MS = 1.0
+
+
+def render(data: dict[str, Any]) -> str:
+    """The report, from the stored run alone."""
+    options = data["options"]
+    summary = summarise(data)
+    concurrencies = options["concurrencies"]
     rows = []
-    summary: dict[tuple[str, int], dict[str, float]] = {}
-    for connections in options.concurrencies:
+    for connections in concurrencies:
         for path in PATHS:
-            samples = results[(path, connections)]
-            med = {
-                "p50": report.median(s.p50_ms for s in samples),
-                "p90": report.median(s.p90_ms for s in samples),
-                "p99": report.median(s.p99_ms for s in samples),
-                "rps": report.median(s.requests_per_s for s in samples),
-                "errors": sum(s.errors for s in samples),
-            }
-            summary[(path, connections)] = med
+            med = summary[(path, connections)]
             rows.append(
                 [f"c={connections}", path, f"{med['p50']:.2f}", f"{med['p90']:.2f}",
                  f"{med['p99']:.2f}", f"{med['rps']:.0f}", int(med["errors"])]
             )  # fmt: skip
     added_rows = []
-    for connections in options.concurrencies:
+    for connections in concurrencies:
         envoy, routed = summary[("envoy", connections)], summary[("envoy+router", connections)]
         added_rows.append(
             [f"c={connections}", f"{routed['p50'] - envoy['p50']:+.2f}",
@@ -132,25 +187,29 @@ def write_report(
     paths_table = report.markdown_table(
         ["load", "path", "p50 (ms)", "p90 (ms)", "p99 (ms)", "req/s", "errors"], rows
     )
-    command = "prefix-router bench --workload overhead " + shlex.join(
-        ["--duration", f"{options.duration_s:g}", "--rounds", str(options.rounds)]
-    )
-    text = f"""# Routing overhead
+    verdict = ""
+    if 1 in concurrencies:
+        added = summary[("envoy+router", 1)]["p50"] - summary[("envoy", 1)]["p50"]
+        met = "meets" if added <= TARGET_P50_MS else "misses"
+        verdict = f" At c=1 this run adds {added:+.2f} ms at p50: it {met} the target."
+    low, high = SAGEMAKER_OVERHEAD_MS
+    return f"""# Routing overhead
 
-What the router adds to a request, measured as the same {options.body_bytes}-byte chat
-requests ({options.distinct_prompts} distinct prompts in rotation) sent three ways in one
+What the router adds to a request, measured as the same {options["body_bytes"]}-byte chat
+requests ({options["distinct_prompts"]} distinct prompts in rotation) sent three ways in one
 run: straight to a simulated backend (`direct`), through Envoy with no ext_proc (`envoy`),
 and through Envoy with the router deciding every request (`envoy+router`, PREFIX_AWARE,
 override-host mode). The backends answer at once, so the differences are the proxy's and
 the router's cost. Client ([wrk](https://github.com/wg/wrk), one thread), Envoy, router and
-backends all share this machine's cores. Each cell is the median of {options.rounds} rounds
-of {options.duration_s:g} s; the paths run interleaved, in a rotating order.
+backends all share this machine's cores. Each cell is the median of {options["rounds"]} rounds
+of {options["duration_s"]:g} s; the paths run interleaved, in a rotating order.
 
 ## Added by the router (envoy+router minus envoy)
 
 {added_table}
 
-SageMaker publishes 1.3 to 1.9 ms of routing overhead; our target is at most 1.0 ms at p50.
+SageMaker publishes {low} to {high} ms of routing overhead; our target is at most
+{TARGET_P50_MS} ms at p50.{verdict}
 
 ## All paths
 
@@ -161,32 +220,28 @@ SageMaker publishes 1.3 to 1.9 ms of routing overhead; our target is at most 1.0
 ## Reproduce
 
 ```
-{command}
+{data["command"]}
 ```
 
-- Machine: {report.machine_description()}
-- Envoy: {report.tool_version([envoy_binary(), "--version"])}
-- wrk: {report.tool_version(["wrk", "-v"])}
+- Machine: {data["machine"]}; load average after the run
+  {", ".join(str(x) for x in data["load_average_after"])}
+- Envoy: {data["envoy"]}
+- wrk: {data["wrk"]}
 """
-    path = options.out_dir / "overhead.md"
-    path.write_text(text)
-    _plot(options, summary, options.out_dir / "overhead.png")
-    return path
 
 
-def _plot(
-    options: OverheadOptions, summary: dict[tuple[str, int], dict[str, float]], path: Path
-) -> None:
+def render_plots(data: dict[str, Any], out_dir: Path, name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(
-        1, len(options.concurrencies), figsize=(5 * len(options.concurrencies), 4)
-    )
+    options = data["options"]
+    concurrencies = options["concurrencies"]
+    summary = summarise(data)
+    figure, axes = plt.subplots(1, len(concurrencies), figsize=(5 * len(concurrencies), 4))
     for axis, connections in zip(
-        axes if len(options.concurrencies) > 1 else [axes], options.concurrencies, strict=True
+        axes if len(concurrencies) > 1 else [axes], concurrencies, strict=True
     ):
         positions = range(len(PATHS))
         p50 = [summary[(p, connections)]["p50"] for p in PATHS]
@@ -197,10 +252,19 @@ def _plot(
         axis.set_ylabel("latency (ms)")
         axis.set_title(f"concurrency {connections}")
         axis.legend()
-    figure.suptitle(f"Routing overhead, {options.body_bytes}-byte chat bodies (median of rounds)")
+    figure.suptitle(
+        f"Routing overhead, {options['body_bytes']}-byte chat bodies (median of rounds)"
+    )
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    figure.savefig(out_dir / f"{name}.png", dpi=100)
     plt.close(figure)
+
+
+def write_report(
+    options: OverheadOptions, results: dict[tuple[str, int], list[wrk.WrkResult]]
+) -> Path:
+    """Store the run as JSON, then render the report and the plot from what was stored."""
+    return report.write_rendered(options.out_dir, "overhead", document(options, results))
 
 
 def run(options: OverheadOptions) -> Path:

@@ -16,7 +16,6 @@ The run's data goes to ``prefix-index.json``; the markdown is rendered from it.
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
@@ -184,6 +183,7 @@ def run(options: PrefixIndexOptions) -> dict[str, Any]:
         for hosts in options.hosts
     ]
     data = {
+        "kind": "prefix-index",
         "options": {k: v for k, v in asdict(options).items() if k != "out_dir"},
         "machine": report.machine_description(),
         "costs": [asdict(c) for c in costs],
@@ -193,9 +193,7 @@ def run(options: PrefixIndexOptions) -> dict[str, Any]:
         "quality": [asdict(q) for q in measure_quality(options)],
     }
     if options.out_dir is not None:
-        options.out_dir.mkdir(parents=True, exist_ok=True)
-        (options.out_dir / "prefix-index.json").write_text(json.dumps(data, indent=1) + "\n")
-        (options.out_dir / "prefix-index.md").write_text(render(data))
+        report.write_rendered(options.out_dir, "prefix-index", data)
     return data
 
 

@@ -346,18 +346,13 @@ def run(options: RealVllmOptions) -> list[PathResult]:
 def write_report(options: RealVllmOptions, results: list[PathResult]) -> Path:
     """The run's data as JSON, and the markdown rendered from it."""
     assert options.out_dir is not None
-    options.out_dir.mkdir(parents=True, exist_ok=True)
     data = {
+        "kind": "real-vllm",
         "options": {k: v for k, v in asdict(options).items() if k != "out_dir"},
         "machine": report.machine_description(),
         "results": [asdict(r) for r in results],
     }
-    (options.out_dir / f"{options.report_name}.json").write_text(
-        json.dumps(data, indent=1, default=str) + "\n"
-    )
-    path = options.out_dir / f"{options.report_name}.md"
-    path.write_text(render(data))
-    return path
+    return report.write_rendered(options.out_dir, options.report_name, data)
 
 
 def render(data: dict[str, Any]) -> str:

@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from extproc.bench import report
+from extproc.index.popularity import PrefixPopularity
 from extproc.stack.local import envoy_binary
 
 PAGE = "reliability.md"
+POPULARITY_MAX_KEYS = PrefixPopularity().max_keys
 MIB = 2**20
 
 
@@ -43,22 +45,50 @@ def _load(out_dir: Path, name: str) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def render(out_dir: Path) -> Path:
-    soak, saturation = _load(out_dir, "soak"), _load(out_dir, "saturation")
+def render_text(soak: dict[str, Any] | None, saturation: dict[str, Any] | None) -> str:
+    """The page, from the stored runs alone."""
+    envoy = next((d["environment"]["envoy"] for d in (soak, saturation) if d), "")
+    version = envoy.split("/")[1] if envoy.count("/") >= 1 else envoy
     sections = ["# Reliability: soak and saturation\n"]
     sections.append(
-        "Two long-run checks of the full stack (Envoy 1.40, the router, the control plane and "
-        "simulated vLLM backends that answer at once), all on this one machine. The failure "
-        "modes and the metrics to watch in production are in "
+        f"Two long-run checks of the full stack (Envoy {version}, the router, the control "
+        "plane and simulated vLLM backends that answer at once), all on this one machine. The "
+        "failure modes and the metrics to watch in production are in "
         "[../operations.md](../operations.md).\n"
     )
     if soak is not None:
-        sections.append(_soak_section(soak, out_dir))
+        sections.append(_soak_section(soak))
     if saturation is not None:
-        sections.append(_saturation_section(saturation, out_dir))
+        sections.append(_saturation_section(saturation))
+    return "\n".join(sections)
+
+
+def render(out_dir: Path) -> Path:
+    """Render the page and its plots from the stored runs in ``out_dir``."""
+    soak, saturation = _load(out_dir, "soak"), _load(out_dir, "saturation")
     path = out_dir / PAGE
-    path.write_text("\n".join(sections))
+    path.write_text(render_text(soak, saturation))
+    if soak is not None:
+        _plot_soak(soak, out_dir / "reliability-soak.png")
+    if saturation is not None:
+        _plot_saturation(saturation, out_dir / "reliability-saturation.png")
     return path
+
+
+def _state_is_idle(state: dict[str, Any], backends: int) -> bool:
+    """Nothing in flight, per-host state no larger than the fleet, and the per-prefix
+    state within its bounds."""
+    index_ok = state.get("index_blocks", 0) <= state.get("index_capacity_blocks", 0)
+    popularity_ok = state.get("popularity_keys", 0) <= 2 * POPULARITY_MAX_KEYS
+    return (
+        state["open_streams"] == 0
+        and state["in_flight_total"] == 0
+        and state["in_flight_series"] == 0
+        and state["router_hosts"] <= backends
+        and state["cp_hosts_discovered"] <= backends
+        and index_ok
+        and popularity_ok
+    )
 
 
 def _mib(value: float) -> str:
@@ -68,13 +98,12 @@ def _mib(value: float) -> str:
 def _environment(env: dict[str, Any]) -> str:
     load = ", ".join(str(x) for x in env["load_average_before"])
     return (
-        f"- Machine: {env['machine']}; load average before the run {load} "
-        "(other engineers' tests share these cores)\n"
+        f"- Machine: {env['machine']}; load average before the run {load}\n"
         f"- Envoy: {env['envoy']}\n- wrk: {env['wrk']}\n- Run: {env['date']}\n"
     )
 
 
-def _soak_section(soak: dict[str, Any], out_dir: Path) -> str:
+def _soak_section(soak: dict[str, Any]) -> str:
     options = soak["options"]
     bound = options["max_rss_growth"]
     rss_rows = [
@@ -99,6 +128,9 @@ def _soak_section(soak: dict[str, Any], out_dir: Path) -> str:
          "`prefix_router_index_blocks`",
          f"{state.get('index_capacity_blocks', 0):g} (`prefix_router_index_capacity_blocks`)",
          f"{state.get('index_blocks', 0):g} ({state.get('index_evicted_blocks', 0):g} evicted)"],
+        ["router: prefix popularity counters (two windows of at most max_keys blocks each)",
+         "`prefix_router_popularity_keys`", f"{2 * POPULARITY_MAX_KEYS:,} (2 x max_keys)",
+         f"{state['popularity_keys']:g}" if "popularity_keys" in state else "not measured"],
         ["router: host set and load feed (one entry per host)", "`prefix_router_hosts`",
          "hosts", f"{state['router_hosts']:g}"],
         ["control plane: xDS streams", "`prefix_router_cp_xds_streams`",
@@ -121,23 +153,26 @@ def _soak_section(soak: dict[str, Any], out_dir: Path) -> str:
     rss_table = report.markdown_table(
         ["process", "after warm-up (MiB)", "end (MiB)", "growth", "bound", ""], rss_rows
     )
-    _plot_soak(soak, out_dir / "reliability-soak.png")
     verdict = "passed" if soak["passed"] else "FAILED"
+    state_verdict = (
+        "nothing is left in flight and every entry is within its bound"
+        if _state_is_idle(state, soak["options"]["backends"])
+        else "something is left in flight, or an entry is over its bound"
+    )
     leak = soak.get("stream_leak") or {}
     finding = ""
     if leak:
         finding = f"""
-**Why the router grows.** None of its state grows (the table below): the memory is
-grpcio's. `python -m extproc.bench.stream_leak` runs the router's own ext_proc service
-with no Envoy and ends {soak["options"]["leak_probe_streams"]:,} streams each way: its
-resident memory grew by **{leak["reset"]:.0f} bytes per stream** when the client half-closed
-and then cancelled each stream (what Envoy's ext_proc client does when a request ends:
-`closeStream()` then `resetStream()`), and by {leak["close"]:.0f} bytes per stream when the
-client read the status instead. That matches grpc/grpc#43360 (grpc.aio leaks a batch's
-`grpc_op` array, about 96 bytes, when a batch fails on a cancelled call; open, with fixes
-proposed in grpc/grpc#43361 and #43409). Until a grpcio release fixes it, plan on roughly
-that many bytes per request per router replica and restart replicas before it matters
-(see [../operations.md](../operations.md)).
+**Where the growth is.** `python -m extproc.bench.stream_leak` runs the router's own
+ext_proc service with no Envoy, routing RANDOM (no state per prompt), and ends
+{soak["options"]["leak_probe_streams"]:,} streams each way: its resident memory grew by
+**{leak["reset"]:.0f} bytes per stream** when the
+client half-closed and then cancelled each stream (what Envoy's ext_proc client does when a
+request ends: `closeStream()` then `resetStream()`), and by {leak["close"]:.0f} bytes per
+stream when the client read the status instead. grpc/grpc#43360 reports a leak in grpc.aio
+on that path (a batch's `grpc_op` array, when a batch fails on a cancelled call); this run
+does not tell whether it is the same one. The router's own state after the run is in the
+table below, against its bounds: {state_verdict}.
 """
     return f"""## Soak: {soak["requests"]:,} requests, every one a new prefix ({verdict})
 
@@ -160,8 +195,8 @@ completed responses; requests cut off at each segment's end are decided but not 
 {finding}
 ### Accounting and state after the run
 
-The router keeps no per-prefix state: placement is rendezvous hashing over the host set,
-so its state is per host or per open stream, and the control plane's is per host and per
+The router's state is per host, per open stream, and the prefix index (bounded by each
+engine's cache size, within `index_max_blocks`); the control plane's is per host and per
 xDS stream. Their sizes after the last request finished:
 
 {report.markdown_table(["state", "metric", "bounded by", "after the run"], state_rows)}
@@ -186,7 +221,7 @@ still closing; after the run they drained to zero.
 {_environment(soak["environment"])}"""
 
 
-def _saturation_section(data: dict[str, Any], out_dir: Path) -> str:
+def _saturation_section(data: dict[str, Any]) -> str:
     options = data["options"]
     budget = options["added_p99_budget_ms"]
 
@@ -209,7 +244,6 @@ def _saturation_section(data: dict[str, Any], out_dir: Path) -> str:
          "errors", "router CPU", "sustained"],
         step_rows,
     )  # fmt: skip
-    _plot_saturation(data, out_dir / "reliability-saturation.png")
     profile = data.get("profile") or {}
     if "self" in profile:
         headings = {
@@ -293,8 +327,7 @@ find the capacity (the highest rate served in full and on schedule, whatever the
 latency); a configuration stops after {options["failures_to_stop"]} rates in a row that it
 could not keep up with. "router CPU" is the routers' CPU
 time per second of wall time (1.00 = one core), both processes together. Client, Envoy,
-routers and backends share this machine's cores, so the routers compete with everything
-else for two cores: a dedicated router core would sustain more.
+routers and backends share this machine's cores (see the machine line below).
 
 {steps_table}
 

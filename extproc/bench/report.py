@@ -1,13 +1,17 @@
-"""Benchmark reports: a markdown table with the command and machine, plus PNG plots."""
+"""Benchmark reports: each run is stored as JSON, and its markdown and PNG plots are
+rendered from that JSON alone (``rerender`` does it again from a committed file)."""
 
 from __future__ import annotations
 
+import importlib
+import json
 import os
 import platform
 import statistics
 import subprocess
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 
 def median(values: Iterable[float]) -> float:
@@ -46,3 +50,46 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> s
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+# Each stored run names the generator that renders it; a generator module has
+# ``render(data) -> str`` and, if it draws plots, ``render_plots(data, out_dir, name)``.
+RENDERERS = {
+    "fleet": "extproc.bench.fleet_render",
+    "fleet-events": "extproc.bench.fleet_events",
+    "overhead": "extproc.bench.overhead",
+    "prefix-index": "extproc.bench.prefix_index",
+    "real-vllm": "extproc.bench.real_vllm",
+    "scale-event": "extproc.bench.scale_event",
+    "sim-vs-vllm": "extproc.bench.sim_vs_vllm",
+}
+
+
+def _renderer(kind: str) -> Any:
+    if kind not in RENDERERS:
+        raise ValueError(f"no renderer for stored runs of kind {kind!r}")
+    return importlib.import_module(RENDERERS[kind])
+
+
+def render_stored(data: dict[str, Any], out_dir: Path, name: str) -> Path:
+    """Write ``name``.md (and its plots) in ``out_dir`` from a stored run alone."""
+    module = _renderer(data["kind"])
+    path = out_dir / f"{name}.md"
+    path.write_text(module.render(data))
+    if hasattr(module, "render_plots"):
+        module.render_plots(data, out_dir, name)
+    return path
+
+
+def write_rendered(out_dir: Path, name: str, data: dict[str, Any]) -> Path:
+    """Store a run as ``name``.json, then render its report from what was stored, so the
+    committed markdown is by construction a rendering of the committed data."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(data, indent=1, default=str) + "\n"
+    (out_dir / f"{name}.json").write_text(text)
+    return render_stored(json.loads(text), out_dir, name)
+
+
+def rerender(json_path: Path) -> Path:
+    """Render the report beside a stored run again, from the JSON alone."""
+    return render_stored(json.loads(json_path.read_text()), json_path.parent, json_path.stem)

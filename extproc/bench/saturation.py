@@ -39,6 +39,7 @@ log = structlog.get_logger("bench")
 BASELINE = "envoy"
 CONFIGS = ("1 router", "2 routers")
 PATHS = (BASELINE, *CONFIGS)
+PY_SPY_MISSING = "py-spy is not installed (pip install py-spy)"
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ def top_frames(collapsed: str, limit: int = 12) -> dict[str, list[tuple[str, flo
         total += count
         own[frames[-1]] += count
         categories[_category(frames)] += count
-        for frame in {f for f in frames if "extproc/" in f and "cli.py" not in f}:
+        for frame in {f for f in frames if "extproc/" in f and "extproc/cli" not in f}:
             if "__main__" not in frame:
                 router[frame] += count
     if not total:
@@ -177,10 +178,16 @@ def top_frames(collapsed: str, limit: int = 12) -> dict[str, list[tuple[str, flo
     }
 
 
-def _profile(options: SaturationOptions, pid: int, url: str, script: Path) -> dict[str, Any]:
+def find_py_spy() -> str | None:
+    """The py-spy binary: on PATH, or beside this interpreter (a virtualenv's bin)."""
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    if not Path(py_spy).exists():
-        return {"skipped": "py-spy is not installed (pip install py-spy)"}
+    return py_spy if Path(py_spy).exists() else None
+
+
+def _profile(options: SaturationOptions, pid: int, url: str, script: Path) -> dict[str, Any]:
+    py_spy = find_py_spy()
+    if py_spy is None:
+        return {"skipped": PY_SPY_MISSING}
     raw = options.out_dir / "reliability-profile.txt"
     svg = options.out_dir / "reliability-flamegraph.svg"
     seconds = str(max(1, round(options.profile_s)))

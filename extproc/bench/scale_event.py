@@ -20,8 +20,9 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 import structlog
@@ -38,6 +39,7 @@ from extproc.bench.fleet import (
 )
 from extproc.bench.loadgen import RequestOutcome, run_open_loop
 from extproc.bench.workloads import BenchRequest, WorkloadSpec, describe, generate
+from extproc.control.config import ControlPlaneConfig
 from extproc.picker.hosts import HostSet
 from extproc.picker.keys import KeyMode, extract_key
 from extproc.picker.placement import key_digest, placement_order
@@ -354,9 +356,43 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "n/a" if value is None or value != value else f"{value:{spec}}{suffix}"
 
 
-def write_report(options: ScaleEventOptions, results: list[ScalePathResult], count: int) -> Path:
-    assert options.out_dir is not None
-    options.out_dir.mkdir(parents=True, exist_ok=True)
+def document(
+    options: ScaleEventOptions, results: list[ScalePathResult], count: int
+) -> dict[str, Any]:
+    """The stored run: the options, every path's windows, events and outcomes, the machine."""
+    return {
+        "kind": "scale-event",
+        "format": 1,
+        "command": options.command,
+        "workload": asdict(options.workload),
+        "description": describe(options.workload),
+        "requests": count,
+        "instances": options.instances,
+        "grow_at_s": options.grow_at_s,
+        "shrink_at_s": options.shrink_at_s,
+        "window_s": options.window_s,
+        "recovered_within": options.recovered_within,
+        "dip_horizon_s": DIP_HORIZON_S,
+        "time_scale": options.time_scale,
+        "sim_args": list(options.sim_args),
+        "health": ControlPlaneConfig().health.model_dump(),
+        "results": [asdict(r) for r in results],
+        "machine": report.machine_description(),
+    }
+
+
+def render(data: dict[str, Any]) -> str:
+    """The report, from the stored run alone."""
+    results = [
+        ScalePathResult(
+            r["path"],
+            [RequestOutcome(**o) for o in r["outcomes"]],
+            [tuple(w) for w in r["windows"]],  # type: ignore[misc]
+            r["hit_rate"],
+            [EventResult(**e) for e in r["events"]],
+        )
+        for r in data["results"]
+    ]
     rows = []
     for r in results:
         for e in r.events:
@@ -377,22 +413,28 @@ def write_report(options: ScaleEventOptions, results: list[ScalePathResult], cou
             )
     table = report.markdown_table(
         ["path", "event", "applied after (s)", "hit rate before", "lowest after",
-         "dip", "recovery (s)", "prefixes moved", "documents", "keys moved by hash"],
+         "dip", "recovery (s)", "prefixes moved", "documents", "fixed key would move"],
         rows,
     )  # fmt: skip
     totals = report.markdown_table(
         ["path", "hit rate, whole run", "requests", "failed"],
         [[r.path, f"{r.hit_rate:.1%}", len(r.outcomes), r.failures] for r in results],
     )
-    text = f"""# Scale event: long-context while the fleet grows 7 → 8 and shrinks to 6
+    window = data["window_s"]
+    health = data["health"]
+    instances = data["instances"]
+    return f"""# Scale event: long-context while the fleet grows {instances} → {instances + 1} and \
+shrinks to {instances - 1}
 
-{count} requests of the long-context workload, open loop, through each path in turn (one
-run, side by side, on this 2-core machine shared with other work). At
-{options.grow_at_s:g} s an 8th instance is added to the control plane's config file; at
-{options.shrink_at_s:g} s that instance and one of the first seven are removed (6 left).
-Nothing else is touched: the control plane health-checks the new host, publishes the new
-set over xDS, and the router (and the ring_hash Envoy, on the same EDS) follow. Every
-simulator's prefix cache is reset before each path; the new instance starts cold.
+<!-- Rendered from scale-event.json by extproc/bench/scale_event.py. -->
+
+{data["requests"]} requests of the long-context workload, open loop, through each path in
+turn (one run, side by side). At {data["grow_at_s"]:g} s an extra instance is added to the
+control plane's config file; at {data["shrink_at_s"]:g} s that instance and one of the first
+{instances} are removed ({instances - 1} left). Nothing else is touched: the control plane
+health-checks the new host, publishes the new set over xDS, and the router (and the
+ring_hash Envoy, on the same EDS) follow. Every simulator's prefix cache is reset before
+each path; the new instance starts cold.
 
 {table}
 
@@ -400,69 +442,73 @@ simulator's prefix cache is reset before each path; the new instance starts cold
 
 - **applied after**: model seconds from the config edit to the path's host set changing
   (the router's `prefix_router_hosts`, or the ring_hash Envoy's `/clusters`); the control
-  plane admits a new host after 2 passing health checks, 1 s apart.
+  plane admits a new host after {health["healthy_threshold"]} passing health checks,
+  {health["interval_s"]:g} s apart.
 - **hit rate before**: fleet-wide prefix-cache hit rate (`vllm:prefix_cache_hits_total /
-  vllm:prefix_cache_queries_total`, summed over the instances) in the
-  {options.window_s:g}-s windows of the 10 s before the edit. One window holds a few dozen
-  requests, each miss a whole 8k-token document, so single windows are noisy (see the
-  plot); **lowest after** is the lowest rolling mean of two windows
-  ({2 * options.window_s:g} s) from the window the change falls in to
-  {DIP_HORIZON_S:g} s after it, and **recovery** runs
-  from the change to the end of the first such mean, after the lowest, that is back within
-  {options.recovered_within * 100:.0f} points of the hit rate before (0: no dip beyond
-  that; n/a: not back before the next event).
+  vllm:prefix_cache_queries_total`, summed over the instances) in the {window:g}-s windows
+  of the 10 s before the edit; **lowest after** is the lowest rolling mean of two windows
+  ({2 * window:g} s) from the window the change falls in to {data["dip_horizon_s"]:g} s after
+  it, and **recovery** runs from the change to the end of the first such mean, after the
+  lowest, that is back within {data["recovered_within"] * 100:.0f} points of the hit rate
+  before (0: no dip beyond that; n/a: not back before the next event). The plot shows the
+  single windows.
 - **prefixes moved**: among documents with at least 3 requests on each side, the fraction
   whose home (the instance that served most of their requests) differs before and after the
-  event. Rendezvous hashing should move about 1/8 on 7 → 8 (the keys the new instance wins)
-  and about 2/8 on 8 → 6 (the keys of the two that leave), and nothing else; documents that
-  overflow often can have a noisy home. RANDOM has no homes. **keys moved by hash**: the
-  same question answered exactly for our router, from its rendezvous placement of every
-  document's key over the two host sets (no overflow, no traffic noise).
+  event. RANDOM has no homes. **fixed key would move**: the same question answered exactly
+  for `prefix_match: fixed`, from the rendezvous placement of every document's fixed-length
+  key over the two host sets (no overflow, no traffic noise): what a router that ignores
+  where prefixes are cached would move.
 - The peers (vllm-router, smg) take a static worker list and are not part of this run.
 
 {totals}
 
 ## Workload
 
-{describe(options.workload)}
+{data["description"]}
 
 ```
-{options.command}
+{data["command"]}
 ```
 
 - Simulator: `prefix-router sim --timing model` (see the long-context report), KV capacity
-  `{" ".join(options.sim_args)}`; time_scale {options.time_scale:g}.
-- Machine: {report.machine_description()}
+  `{" ".join(data["sim_args"])}`; time_scale {data["time_scale"]:g}.
+- Machine: {data["machine"]}
 """
-    path = options.out_dir / "scale-event.md"
-    path.write_text(text)
-    _plot(options, results, options.out_dir / "scale-event.png")
-    return path
 
 
-def _plot(options: ScaleEventOptions, results: list[ScalePathResult], path: Path) -> None:
+def render_plots(data: dict[str, Any], out_dir: Path, name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    instances = data["instances"]
     figure, axis = plt.subplots(figsize=(9, 4.5))
-    for r in results:
-        if r.windows:
-            ends, rates = zip(*r.windows, strict=True)
-            axis.plot(ends, rates, marker=".", label=r.path)
-    markers = [(options.grow_at_s, "7 → 8"), (options.shrink_at_s, "8 → 6")]
+    for r in data["results"]:
+        if r["windows"]:
+            ends, rates = zip(*r["windows"], strict=True)
+            axis.plot(ends, rates, marker=".", label=r["path"])
+    markers = [
+        (data["grow_at_s"], f"{instances} → {instances + 1}"),
+        (data["shrink_at_s"], f"{instances + 1} → {instances - 1}"),
+    ]
     for at_s, label in markers:
         axis.axvline(at_s, color="black", linestyle="--")
         axis.text(at_s, 0.02, f" {label}", rotation=90, va="bottom")
     axis.set_ylim(0, 1)
-    axis.set_xlabel(f"model time (s); hit rate per {options.window_s:g}-s window")
+    axis.set_xlabel(f"model time (s); hit rate per {data['window_s']:g}-s window")
     axis.set_ylabel("fleet prefix-cache hit rate")
     axis.set_title("Scale event during long-context: hit rate over time")
     axis.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    figure.savefig(out_dir / f"{name}.png", dpi=100)
     plt.close(figure)
+
+
+def write_report(options: ScaleEventOptions, results: list[ScalePathResult], count: int) -> Path:
+    """Store the run as JSON, then render the report and the plot from what was stored."""
+    assert options.out_dir is not None
+    return report.write_rendered(options.out_dir, "scale-event", document(options, results, count))
 
 
 def quick(options: ScaleEventOptions) -> ScaleEventOptions:

@@ -20,7 +20,6 @@ engine model at time_scale 0), one request at a time, each request's change in
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import tempfile
 from collections.abc import AsyncIterator
@@ -239,15 +238,14 @@ def run(out_dir: Path | None, command: str = "") -> list[Comparison]:
             server.stop(timeout=20)
     if out_dir is not None:
         data = {
+            "kind": "sim-vs-vllm",
             "command": command,
             "machine": report.machine_description(),
             "block_tokens": BLOCK_TOKENS,
             "num_blocks": NUM_BLOCKS,
             "comparisons": [c.__dict__ for c in comparisons],
         }
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "sim-vs-vllm.json").write_text(json.dumps(data, indent=1) + "\n")
-        (out_dir / "sim-vs-vllm.md").write_text(render(data))
+        report.write_rendered(out_dir, "sim-vs-vllm", data)
     return comparisons
 
 

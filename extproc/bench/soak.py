@@ -148,6 +148,7 @@ def state_sizes(stack: LocalStack, control_plane_metrics: str) -> dict[str, floa
         "index_blocks": probes.total(router, "prefix_router_index_blocks"),
         "index_capacity_blocks": probes.total(router, "prefix_router_index_capacity_blocks"),
         "index_evicted_blocks": probes.total(router, "prefix_router_index_evicted_blocks_total"),
+        "popularity_keys": probes.total(router, "prefix_router_popularity_keys"),
         "decisions": probes.total(router, "prefix_router_decisions_total"),
         "fallbacks": probes.total(router, "prefix_router_fallbacks_total"),
         "protocol_errors": probes.total(router, "prefix_router_protocol_errors_total"),

@@ -32,12 +32,16 @@ HOSTS = ("127.0.0.11:8000", "127.0.0.12:8000", "127.0.0.13:8000")
 
 
 def _requests(n: int) -> list[messages.ProcessingRequest]:
+    """What Envoy sends the router for one request: its headers, then its body."""
     text = f"prefix {n} " + "lorem ipsum " * 80
     body = '{"model":"m","messages":[{"role":"user","content":"' + text + '"}]}'
-    return [
-        messages.request_headers({"content-type": "application/json"}),
-        messages.request_body(body.encode(), end_of_stream=False),
-    ]
+    headers = messages.ProcessingRequest()
+    header = headers.request_headers.headers.headers.add()
+    header.key, header.raw_value = "content-type", b"application/json"
+    chunk = messages.ProcessingRequest()
+    chunk.request_body.body = body.encode()
+    chunk.request_body.end_of_stream = False
+    return [headers, chunk]
 
 
 async def _drive(port: int, first: int, count: int, ending: Ending, workers: int = 8) -> None:
@@ -65,13 +69,22 @@ async def _drive(port: int, first: int, count: int, ending: Ending, workers: int
 
 
 async def _serve(port: int) -> None:
+    from extproc import logs
     from extproc.adapter.routing import Router
     from extproc.adapter.service import ExternalProcessor
     from extproc.config import RouterConfig
+    from extproc.picker.decide import Strategy
 
+    logs.configure("info")  # as the router runs: no line per decision
     server = grpc.aio.server()
     server.add_generic_rpc_handlers(
-        (ExternalProcessor(Router(RouterConfig(hosts=HOSTS))).handler(),)
+        # RANDOM keeps no state per prompt (no index, no popularity), so what grows is
+        # the gRPC stream's cost alone.
+        (
+            ExternalProcessor(
+                Router(RouterConfig(hosts=HOSTS, routing_strategy=Strategy.RANDOM))
+            ).handler(),
+        )
     )
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()

@@ -1,208 +1,139 @@
-"""Control-plane configuration: frozen, validated, loaded from YAML (hot-reloadable)."""
+"""Control-plane configuration: frozen pydantic models, loaded from YAML (hot-reloadable).
+
+Each field's description, type, default and range are declared once, here:
+docs/configuration.md and the JSON Schema are rendered from them.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from extproc.config import LOG_LEVELS, doc, read_config_file
-from extproc.errors import ConfigError
-from extproc.picker.hosts import parse_host_address
+from pydantic import AfterValidator, Field, Strict, StrictInt, ValidationInfo, field_validator
 
-
-def _number(name: str, value: Any, low: float, high: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ConfigError(name, value, f"a number from {low:g} to {high:g}")
-    return float(value)
-
-
-def _integer(name: str, value: Any, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ConfigError(name, value, f"an integer from {low} to {high}")
-    return value
-
-
-def _addresses(name: str, values: Any) -> tuple[str, ...]:
-    if values is None:
-        return ()
-    if not isinstance(values, (list, tuple)):
-        raise ConfigError(name, values, "a list of ip:port strings")
-    result = []
-    for index, value in enumerate(values):
-        try:
-            result.append(parse_host_address(str(value)))
-        except ValueError as error:
-            raise ConfigError(f"{name}[{index}]", value, f"ip:port ({error})") from None
-    return tuple(result)
+from extproc.schema import (
+    Address,
+    DnsName,
+    FrozenModel,
+    LogLevel,
+    Name,
+    Number,
+    check_at_most,
+    described,
+    finite,
+    read_config_file,
+    validated,
+)
 
 
-@dataclass(frozen=True)
-class HealthSettings:
-    interval_s: float = field(
-        default=1.0,
-        metadata=doc(
-            "Seconds between health rounds (GET /health and GET /v1/models on every host).",
-            range=(0.05, 300),
-        ),
+class HealthSettings(FrozenModel):
+    interval_s: Number = described(
+        "Seconds between health rounds (GET /health and GET /v1/models on every host).",
+        1.0,
+        ge=0.05,
+        le=300,
     )
-    timeout_s: float = field(
-        default=0.5, metadata=doc("Seconds one probe may take.", range=(0.01, "interval_s"))
+    timeout_s: Number = described(
+        "Seconds one probe may take.", 0.5, at_most="interval_s", ge=0.01, le=300
     )
-    unhealthy_threshold: int = field(
-        default=2,
-        metadata=doc(
-            "Failed probes in a row that take a host out of the published set.", range=(1, 100)
-        ),
+    unhealthy_threshold: StrictInt = described(
+        "Failed probes in a row that take a host out of the published set.", 2, ge=1, le=100
     )
-    healthy_threshold: int = field(
-        default=2, metadata=doc("Passed probes in a row that put a host (back) in.", range=(1, 100))
+    healthy_threshold: StrictInt = described(
+        "Passed probes in a row that put a host (back) in.", 2, ge=1, le=100
     )
 
-    def __post_init__(self) -> None:
-        _number("health.interval_s", self.interval_s, 0.05, 300)
-        _number("health.timeout_s", self.timeout_s, 0.01, self.interval_s)
-        _integer("health.unhealthy_threshold", self.unhealthy_threshold, 1, 100)
-        _integer("health.healthy_threshold", self.healthy_threshold, 1, 100)
+    @field_validator("timeout_s")
+    @classmethod
+    def _within_interval(cls, value: float, info: ValidationInfo) -> float:
+        return check_at_most(cls, "timeout_s", value, info.data)
 
 
-@dataclass(frozen=True)
-class LoadFeedSettings:
-    interval_s: float = field(
-        default=0.25,
-        metadata=doc(
-            "Seconds between scrapes of every published host's /metrics.", range=(0.05, 60)
-        ),
-    )
-    timeout_s: float = field(
-        default=0.2, metadata=doc("Seconds one scrape may take.", range=(0.01, "interval_s"))
-    )
-    rate_time_constant_s: float = field(
-        default=10.0,
-        metadata=doc(
-            "Seconds over which each host's prompt-token rate (its cache pressure, which "
-            "steers where routers place new prefixes) is smoothed.",
-            range=(1, 3600),
-        ),
-    )
-
-    pressure_factor: float | None = field(
-        default=1.5,
-        metadata=doc(
-            "A host taking in less than 1/pressure_factor of the fleet's mean prompt-token "
-            "rate draws new prefixes (placement weight 4), one taking in more than "
-            "pressure_factor times it repels them (1/4); null gives every host weight 1, so "
-            "placement is by hash alone.",
-            range=(1.1, 10),
-        ),
-    )
-
-    def __post_init__(self) -> None:
-        _number("load_feed.interval_s", self.interval_s, 0.05, 60)
-        _number("load_feed.timeout_s", self.timeout_s, 0.01, self.interval_s)
-        _number("load_feed.rate_time_constant_s", self.rate_time_constant_s, 1, 3600)
-        if self.pressure_factor is not None:
-            _number("load_feed.pressure_factor", self.pressure_factor, 1.1, 10)
+# Optional, so its range sits inside the Annotated (JSON Schema then shows it).
+PressureFactor = Annotated[float, Strict(), Field(ge=1.1, le=10), AfterValidator(finite)]
 
 
-@dataclass(frozen=True)
-class ControlPlaneConfig:
-    listen: str = field(
-        default="127.0.0.1:18000",
-        metadata=doc("The xDS address (ADS and plain EDS).", allowed="ip:port"),
+class LoadFeedSettings(FrozenModel):
+    interval_s: Number = described(
+        "Seconds between scrapes of every published host's /metrics.", 0.25, ge=0.05, le=60
     )
-    metrics_listen: str = field(
-        default="127.0.0.1:9103", metadata=doc("The Prometheus metrics address.", allowed="ip:port")
+    timeout_s: Number = described(
+        "Seconds one scrape may take.", 0.2, at_most="interval_s", ge=0.01, le=60
     )
-    cluster: str = field(
-        default="vllm",
-        metadata=doc(
-            "The Envoy cluster (and EDS resource) the fleet is published as.",
-            allowed="a non-empty name",
-        ),
+    rate_time_constant_s: Number = described(
+        "Seconds over which each host's prompt-token rate (its cache pressure, which "
+        "steers where routers place new prefixes) is smoothed.",
+        10.0,
+        ge=1,
+        le=3600,
     )
-    hosts: tuple[str, ...] = field(
-        default=(),
-        metadata=doc(
-            "Static discovery: the vLLM hosts. Edits apply without a restart.",
-            allowed="ip:port entries",
-        ),
+    pressure_factor: PressureFactor | None = described(
+        "A host taking in less than 1/pressure_factor of the fleet's mean prompt-token "
+        "rate draws new prefixes (placement weight 4), one taking in more than "
+        "pressure_factor times it repels them (1/4); null gives every host weight 1, so "
+        "placement is by hash alone.",
+        1.5,
     )
-    dns: tuple[str, ...] = field(
-        default=(),
-        metadata=doc(
-            "DNS discovery: names re-resolved on every health round; one name may stand for "
-            "many A records.",
-            allowed="host:port entries",
-        ),
+
+    @field_validator("timeout_s")
+    @classmethod
+    def _within_interval(cls, value: float, info: ValidationInfo) -> float:
+        return check_at_most(cls, "timeout_s", value, info.data)
+
+
+class ControlPlaneConfig(FrozenModel):
+    listen: Address = described(
+        "The xDS address (ADS and plain EDS).", "127.0.0.1:18000", allowed="ip:port"
     )
-    draining: tuple[str, ...] = field(
-        default=(),
-        metadata=doc(
-            "Hosts that take no new requests but finish the ones in flight.",
-            allowed="ip:port entries",
-        ),
+    metrics_listen: Address = described(
+        "The Prometheus metrics address.", "127.0.0.1:9103", allowed="ip:port"
     )
-    zones: Mapping[str, str] = field(
+    cluster: Name = described(
+        "The Envoy cluster (and EDS resource) the fleet is published as.",
+        "vllm",
+        allowed="a non-empty name",
+    )
+    hosts: tuple[Address, ...] = described(
+        "Static discovery: the vLLM hosts. Edits apply without a restart.",
+        (),
+        allowed="ip:port entries",
+    )
+    dns: tuple[DnsName, ...] = described(
+        "DNS discovery: names re-resolved on every health round; one name may stand for "
+        "many A records.",
+        (),
+        allowed="host:port entries",
+    )
+    draining: tuple[Address, ...] = described(
+        "Hosts that take no new requests but finish the ones in flight.",
+        (),
+        allowed="ip:port entries",
+    )
+    zones: dict[Address, str] = described(
+        "Optional locality per host, published in EDS.",
         default_factory=dict,
-        metadata=doc("Optional locality per host, published in EDS.", allowed="ip:port: zone name"),
+        allowed="ip:port: zone name",
     )
-    health: HealthSettings = field(
-        default_factory=HealthSettings, metadata=doc("Health checking; see below.")
+    health: HealthSettings = described(
+        "Health checking; see below.", default_factory=HealthSettings
     )
-    load_feed: LoadFeedSettings = field(
+    load_feed: LoadFeedSettings = described(
+        "The load feed scraped from vLLM's /metrics; see below.",
         default_factory=LoadFeedSettings,
-        metadata=doc("The load feed scraped from vLLM's /metrics; see below."),
     )
-    log_level: str = field(
-        default="info",
-        metadata=doc(
-            "The lowest level logged (checked when logging starts, not when the file loads).",
-            allowed=", ".join(LOG_LEVELS),
-        ),
+    log_level: LogLevel = described(
+        "The lowest level logged.",
+        "info",
     )
 
-    def __post_init__(self) -> None:
-        set_ = object.__setattr__
-        for name in ("listen", "metrics_listen"):
-            value = getattr(self, name)
-            try:
-                set_(self, name, parse_host_address(str(value)))
-            except ValueError:
-                raise ConfigError(name, value, "an ip:port string") from None
-        if not isinstance(self.cluster, str) or not self.cluster:
-            raise ConfigError("cluster", self.cluster, "a non-empty cluster name")
-        set_(self, "hosts", _addresses("hosts", self.hosts))
-        set_(self, "draining", _addresses("draining", self.draining))
-        if not isinstance(self.dns, (list, tuple)):
-            raise ConfigError("dns", self.dns, "a list of host:port names")
-        for index, name in enumerate(self.dns):
-            host, _, port = str(name).rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ConfigError(f"dns[{index}]", name, "host:port with a port from 1 to 65535")
-        set_(self, "dns", tuple(self.dns))
-        if not isinstance(self.zones, Mapping):
-            raise ConfigError("zones", self.zones, "a mapping of ip:port to zone name")
-        zones = {}
-        for key, zone in self.zones.items():
-            try:
-                zones[parse_host_address(str(key))] = str(zone)
-            except ValueError:
-                raise ConfigError(f"zones[{key!r}]", key, "an ip:port key") from None
-        set_(self, "zones", zones)
-
-
-def _section(name: str, cls: type, values: Any) -> Any:
-    if values is None:
-        return cls()
-    if not isinstance(values, dict):
-        raise ConfigError(name, values, "a mapping")
-    known = set(cls.__dataclass_fields__)
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"{name}.{unknown[0]}", values[unknown[0]], f"one of {sorted(known)}")
-    return cls(**values)
+    @field_validator("hosts", "draining", "health", "load_feed", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        # An empty YAML key (``hosts:``) reads as null: the default, not an error.
+        if value is None:
+            return () if info.field_name in ("hosts", "draining") else {}
+        return value
 
 
 def load_control_plane_config(
@@ -210,12 +141,4 @@ def load_control_plane_config(
 ) -> ControlPlaneConfig:
     values: dict[str, Any] = read_config_file(path) if path else {}
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    known = set(ControlPlaneConfig.__dataclass_fields__)
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(
-            unknown[0], values[unknown[0]], f"a known field: {', '.join(sorted(known))}"
-        )
-    values["health"] = _section("health", HealthSettings, values.get("health"))
-    values["load_feed"] = _section("load_feed", LoadFeedSettings, values.get("load_feed"))
-    return ControlPlaneConfig(**values)
+    return validated(ControlPlaneConfig, values)

@@ -145,7 +145,7 @@ class Fleet:
         ]
         if restart:
             log.warning("config_reload_needs_restart", fields=restart)
-            config = replace(config, **{name: getattr(self.config, name) for name in restart})
+            config = config.replace(**{name: getattr(self.config, name) for name in restart})
         metrics.CONFIG_RELOADS.labels("applied").inc()
         log.info("config_reloaded", hosts=len(config.hosts), dns=len(config.dns))
         self.config = config

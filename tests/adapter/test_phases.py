@@ -14,12 +14,12 @@ from extproc.adapter.messages import (
     TARGET_HEADER,
     ProcessingRequest,
     ProcessingResponse,
-    request_body,
-    request_headers,
 )
 from extproc.adapter.phases import Phase, RequestStream
 from extproc.adapter.routing import Router
 from extproc.config import RouterConfig
+
+from ..extproc_messages import request_body, request_headers
 
 HOSTS = ("127.0.0.11:8000", "127.0.0.12:8000", "127.0.0.13:8000")
 

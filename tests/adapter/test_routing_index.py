@@ -3,7 +3,6 @@ restarts, fleet changes, config reloads, and SageMaker's fixed-length mode."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 from collections import Counter
@@ -95,9 +94,9 @@ def test_a_host_that_leaves_the_fleet_leaves_the_index():
 def test_a_reload_that_changes_what_the_index_means_clears_it():
     r = router()
     route(r, chat([{"role": "user", "content": "z" * 5000}]))
-    r.config = dataclasses.replace(r.config, concurrency_threshold=8)
+    r.config = r.config.replace(concurrency_threshold=8)
     assert len(r.index) > 0  # the entries still mean the same
-    r.config = dataclasses.replace(r.config, block_bytes=256)
+    r.config = r.config.replace(block_bytes=256)
     assert len(r.index) == 0 and r.popularity.requests == 0
 
 

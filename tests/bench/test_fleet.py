@@ -1,6 +1,8 @@
 """The fleet benchmark end to end at smoke size: real Envoy, router, simulators."""
 
-from extproc.bench.fleet import FleetBenchOptions, run
+import json
+
+from extproc.bench.fleet import FleetBenchOptions, render_report, run
 from extproc.bench.workloads import WorkloadSpec
 
 
@@ -29,3 +31,8 @@ def test_fleet_benchmark_compares_paths_and_writes_reports(tmp_path):
     assert all(c is not None and c.completed == 16 and c.failed == 0 for c in closed.values())
     assert results["smg-cache-aware"].closed_loop is None
     assert "## Throughput at saturation (closed loop)" in text
+    # The report is a rendering of the stored run, which holds the run's settings.
+    document = json.loads((tmp_path / "long-context.json").read_text())
+    assert text == render_report(document)
+    assert document["format"] == 1 and document["closed_loop"]["concurrency"] == 8
+    assert [r["path"] for r in document["results"]] == list(options.paths)

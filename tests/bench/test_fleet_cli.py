@@ -1,6 +1,7 @@
 """`prefix-router bench --workload long-context --quick` end to end, through the CLI: our
 router, the ring_hash baseline and a peer (a test dependency), with overhead probes. About
-75 s here; test_fleet.py covers the closed loop."""
+75 s here; test_fleet.py covers the closed loop. It uses the older `--workload` form that
+committed reports quote; tests/cli/test_bench_cli.py checks it parses as `bench long-context`."""
 
 import subprocess
 import sys
@@ -18,6 +19,8 @@ def test_quick_long_context_through_the_cli(tmp_path):
     assert result.stdout.count("failed 0") == len(PATHS.split(","))
     text = (tmp_path / "long-context.md").read_text()
     assert "--quick" in text and "routing overhead p50 (ms)" in text
+    # The report quotes the command as it was typed.
+    assert " ".join(["prefix-router", *argv[3:]]) in text
     for path in PATHS.split(","):
         assert f"| {path} |" in text
     assert (tmp_path / "long-context-ttft.png").exists()

@@ -1,5 +1,8 @@
 """The fleet-events benchmark end to end, at smoke size."""
 
+import json
+from dataclasses import asdict
+
 from extproc.bench.fleet_events import FleetEventOptions, one_round, run
 
 
@@ -23,3 +26,26 @@ def test_report_is_written(tmp_path, monkeypatch):
     assert "| new prefixes the 4th host took | 0.250 |" in text
     assert "| SIGKILL to ejected from Envoy (s) | 1.50 |" in text
     assert (tmp_path / "fleet-events.png").stat().st_size > 10_000
+    assert "- held in every round: no cached prefix moved when the 4th host joined" in text
+    stored = json.loads((tmp_path / "fleet-events.json").read_text())
+    assert fleet_events.render(stored) == text
+
+
+def test_verdicts_follow_the_data():
+    from extproc.bench.fleet_events import RoundResult, render
+
+    good = RoundResult(0.0, 0.3, 0.3, True, 2.0, 1.5, 1.6)
+    moved = RoundResult(0.02, 0.2, 0.2, False, 2.0, 3.0, 1.6)
+    data = {
+        "command": "c",
+        "prefixes": 40,
+        "machine": "m",
+        "health": {"interval_s": 1, "timeout_s": 0.5, "unhealthy_threshold": 2,
+                   "healthy_threshold": 2},
+        "rounds": [asdict(good), asdict(moved)],
+    }  # fmt: skip
+    text = render(data)
+    for claim in ("no cached prefix moved", "at least 1/4", "only the 4th host's", "within 2.5 s"):
+        (line,) = [line for line in text.splitlines() if claim in line]
+        assert line.startswith("- did not hold")
+    assert render({**data, "rounds": [asdict(good)]}).count("- held in every round") == 4

@@ -1,5 +1,7 @@
 """The scale-event benchmark: its analysis on made-up windows, and one smoke-size run."""
 
+from collections import Counter
+
 import pytest
 
 from extproc.bench import scale_event
@@ -11,7 +13,7 @@ from extproc.bench.scale_event import (
     placement_moved,
     quick,
 )
-from extproc.bench.workloads import WorkloadSpec, generate
+from extproc.bench.workloads import BenchRequest, WorkloadSpec, generate
 
 
 def outcome(group: str, host: str) -> RequestOutcome:
@@ -59,6 +61,20 @@ def test_rendezvous_moves_about_the_new_hosts_share_of_keys():
     assert 0.15 < shrink < 0.35  # ideally 2/8
 
 
+def random_hit_rate_bound(requests: list[BenchRequest], hosts: int) -> float:
+    """At least RANDOM's expected hit rate over fleets of ``hosts`` or more: the n-th
+    request (from 0) of a document can hit only if one of the earlier n went to its host,
+    which happens with probability at most 1 - (1 - 1/hosts)**n; evictions only lower it.
+    Every request of the workload is about one document long, so this bounds the hit rate
+    in tokens, the one the benchmark measures, too."""
+    seen: Counter[str] = Counter()
+    hits = 0.0
+    for request in requests:
+        hits += 1 - (1 - 1 / hosts) ** seen[request.group]
+        seen[request.group] += 1
+    return hits / len(requests)
+
+
 def test_smoke_run_writes_the_report(tmp_path):
     options = quick(ScaleEventOptions(out_dir=tmp_path, command="prefix-router bench ..."))
     (result,) = scale_event.run(options)
@@ -68,7 +84,12 @@ def test_smoke_run_writes_the_report(tmp_path):
     assert all(
         e.applied_at_s is not None and e.applied_at_s - e.written_at_s < 8 for e in result.events
     )
-    assert result.hit_rate > 0.6
+    # Clearly above RANDOM. RANDOM is not part of the smoke run (it would double its ~35 s),
+    # so the bar is what RANDOM gets at best on the same requests: over the smallest fleet
+    # of the run (6 hosts), with caches that never evict. Measured here: this bar 0.78,
+    # RANDOM itself 0.68 and PREFIX_AWARE 0.92 (both run side by side).
+    best_random = random_hit_rate_bound(generate(options.workload), hosts=6)
+    assert result.hit_rate > best_random + 0.05
     text = (tmp_path / "scale-event.md").read_text()
     assert "| PREFIX_AWARE | grow 7 to 8 |" in text
     assert (tmp_path / "scale-event.png").stat().st_size > 10_000

@@ -1,11 +1,12 @@
 """The overhead benchmark end to end, at smoke size."""
 
+import json
 import os
 import shutil
 
 import pytest
 
-from extproc.bench.overhead import OverheadOptions, chat_bodies, run
+from extproc.bench.overhead import OverheadOptions, chat_bodies, render, run
 
 needs_wrk = pytest.mark.skipif(
     shutil.which("wrk") is None and not os.environ.get("CI"),
@@ -29,3 +30,34 @@ def test_overhead_benchmark_writes_table_and_plot(tmp_path):
     rows = [line for line in text.splitlines() if line.startswith("| c=")]
     assert all(line.rstrip(" |").endswith("| 0") for line in rows if line.count("|") == 8)
     assert (tmp_path / "overhead.png").stat().st_size > 10_000
+    # The report is a rendering of the stored run: rendering the JSON again gives it back.
+    stored = json.loads((tmp_path / "overhead.json").read_text())
+    assert stored["kind"] == "overhead"
+    assert len(stored["samples"]) == 3 * 2  # three paths at two concurrencies, one round
+    assert render(stored) == text
+
+
+def _sample(path: str, connections: int, p50: float) -> dict[str, object]:
+    latencies = {"p50_ms": p50, "p90_ms": p50 + 1, "p99_ms": p50 + 2}
+    counts = {"requests_per_s": 1000 / p50, "requests": 10, "errors": 0}
+    return {"path": path, "connections": connections, **latencies, **counts}
+
+
+@pytest.mark.parametrize(("routed_p50", "verdict"), [(1.5, "meets"), (2.5, "misses")])
+def test_the_verdict_is_computed_from_the_samples(routed_p50, verdict):
+    samples = [
+        _sample(path, c, p50 + offset)
+        for c in (1, 16)
+        for path, p50 in (("direct", 0.3), ("envoy", 0.6), ("envoy+router", routed_p50))
+        for offset in (0.0, 0.1, -0.1)  # three rounds: the median is the middle one
+    ]
+    data = {
+        "kind": "overhead", "command": "prefix-router bench --workload overhead",
+        "options": {"duration_s": 1, "rounds": 3, "concurrencies": [1, 16],
+                    "body_bytes": 8192, "distinct_prompts": 16},
+        "samples": samples, "machine": "test", "envoy": "test", "wrk": "test",
+        "load_average_after": [0.5, 0.4, 0.3],
+    }  # fmt: skip
+    text = render(data)
+    assert f"| c=1 | {routed_p50 - 0.6:+.2f} |" in text
+    assert f"it {verdict} the target" in text

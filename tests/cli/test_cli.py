@@ -1,15 +1,35 @@
-"""The console script: help text and exit codes, run as a real process."""
+"""The console script: help text and exit codes, run as a real process, and the flags of
+`up`, `router` and `envoy-config` reaching what they configure."""
 
+import dataclasses
 import subprocess
 import sys
 
 import pytest
+import yaml
+
+from extproc.cli import EXIT_USAGE, main, parse_args
+from extproc.cli.up import stack_spec
+from extproc.picker.decide import Strategy
+from extproc.picker.keys import KeyMode
+from extproc.stack.local import LocalStack
+
+BACKENDS = ("127.0.0.21:9000", "127.0.0.22:9001")
+BACKEND_PAIRS = (("127.0.0.21", 9000), ("127.0.0.22", 9001))
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "extproc", *args], capture_output=True, text=True, timeout=60
     )
+
+
+def test_help_lists_every_command():
+    result = run("--help")
+    assert result.returncode == 0
+    for command in ["up", "router", "sim", "bench", "control-plane", "envoy-config"]:
+        assert command in result.stdout
+    assert "config-reference" in result.stdout
 
 
 def test_up_help_documents_every_flag():
@@ -46,8 +66,167 @@ def test_config_errors_exit_2_naming_the_field(args, field):
     assert "allowed" in result.stderr
 
 
-def test_envoy_config_prints_a_bootstrap_with_the_given_backends():
-    result = run("envoy-config", "--mode", "original-dst", "--backend", "127.0.0.21:9000")
+def bootstrap(capsys: pytest.CaptureFixture[str], *flags: str) -> dict:
+    assert main(["envoy-config", *flags]) == 0
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+def backend_cluster(config: dict) -> dict:
+    (cluster,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "vllm"]
+    return cluster
+
+
+def endpoints(cluster: dict) -> list[tuple[str, int]]:
+    (group,) = cluster["load_assignment"]["endpoints"]
+    addresses = [e["endpoint"]["address"]["socket_address"] for e in group["lb_endpoints"]]
+    return [(a["address"], a["port_value"]) for a in addresses]
+
+
+def test_envoy_config_prints_a_bootstrap_with_the_given_backends(capsys):
+    flags = [flag for backend in BACKENDS for flag in ("--backend", backend)]
+    cluster = backend_cluster(bootstrap(capsys, "--static", *flags))
+    assert cluster["type"] == "STATIC"
+    assert endpoints(cluster) == list(BACKEND_PAIRS)
+    # Without --backend, --static keeps the default fleet; without --static, EDS.
+    assert endpoints(backend_cluster(bootstrap(capsys, "--static"))) == [
+        ("127.0.0.11", 8000),
+        ("127.0.0.12", 8000),
+        ("127.0.0.13", 8000),
+    ]
+    eds = bootstrap(capsys, "--control-plane", "127.0.0.5:18001")
+    assert backend_cluster(eds)["type"] == "EDS"
+    (xds,) = [c for c in eds["static_resources"]["clusters"] if c["name"] == "xds"]
+    assert endpoints(xds) == [("127.0.0.5", 18001)]
+
+
+def test_envoy_config_original_dst_takes_the_routers_header():
+    result = run("envoy-config", "--mode", "original-dst")
     assert result.returncode == 0
     assert "ORIGINAL_DST" in result.stdout
     assert "x-target-host" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--mode", "original-dst", "--backend", BACKENDS[0]), "--backend does not apply"),
+        (("--mode", "original-dst", "--static"), "--static does not apply"),
+        (
+            ("--mode", "original-dst", "--control-plane", "127.0.0.1:1"),
+            "--control-plane does not apply",
+        ),
+        (("--backend", BACKENDS[0]), "--backend applies with --static only"),
+        (("--static", "--control-plane", "127.0.0.1:1"), "--control-plane does not apply"),
+    ],
+)
+def test_envoy_config_refuses_a_flag_the_mode_ignores(capsys, flags, message):
+    assert main(["envoy-config", *flags]) == EXIT_USAGE
+    captured = capsys.readouterr()
+    assert message in captured.err
+    assert captured.out == ""
+
+
+def test_envoy_config_refusal_exits_2_as_a_process():
+    result = run("envoy-config", "--mode", "original-dst", "--backend", BACKENDS[0])
+    assert result.returncode == 2
+    assert "--backend does not apply to --mode original-dst" in result.stderr
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("mode", ["override-host", "original-dst"])
+def test_up_uses_the_given_backends_in_either_mode(tmp_path, mode):
+    urls = [f"http://{BACKENDS[0]}", BACKENDS[1]]  # a URL, or host:port alone
+    spec = stack_spec(
+        parse_args(["up", "--mode", mode, "--backend", urls[0], "--backend", urls[1]])
+    )
+    assert spec.mode == mode
+    assert spec.backends == spec.external_backends == BACKEND_PAIRS
+    assert spec.sim_backends == ()  # no simulator starts
+    stack = LocalStack(dataclasses.replace(spec, work_dir=tmp_path))
+    # The control plane publishes them to the router and (override-host) to Envoy's EDS;
+    # in original-dst mode Envoy connects to the one the router picked from them.
+    control = yaml.safe_load(stack.write_control_plane_config().read_text())
+    assert control["hosts"] == list(BACKENDS)
+    router = yaml.safe_load(stack.write_router_config().read_text())
+    assert router["control_plane"] == "127.0.0.1:18000"
+    assert "hosts" not in router
+    assert stack.bootstrap_params().backends == BACKEND_PAIRS
+
+
+def test_up_defaults_to_three_simulators():
+    spec = stack_spec(parse_args(["up"]))
+    assert spec.external_backends == ()
+    assert spec.sim_backends == (("127.0.0.11", 8000), ("127.0.0.12", 8000), ("127.0.0.13", 8000))
+    assert spec.sim_args == ("--ttft-ms", "20.0", "--itl-ms", "5.0")
+    assert (spec.listen, spec.router, spec.control_plane) == (
+        ("127.0.0.1", 10000),
+        ("127.0.0.1", 50051),
+        ("127.0.0.1", 18000),
+    )
+    spec = stack_spec(parse_args(["up", "--backends", "2", "--sim-port", "8100"]))
+    assert spec.sim_backends == (("127.0.0.11", 8100), ("127.0.0.12", 8100))
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [("--backends", "2"), ("--sim-port", "8100"), ("--sim-ttft-ms", "0"), ("--sim-itl-ms", "1")],
+)
+def test_up_refuses_simulator_flags_beside_backend(capsys, flags):
+    assert main(["up", "--backend", BACKENDS[0], *flags]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"{flags[0]} applies to the simulated fleet only" in err
+    assert "--backend replaces it" in err
+
+
+def test_up_refusal_exits_2_as_a_process():
+    result = run("up", "--backend", f"http://{BACKENDS[0]}", "--backends", "2")
+    assert result.returncode == 2
+    assert "--backends applies to the simulated fleet only" in result.stderr
+    assert "starting" not in result.stdout
+
+
+def test_bracketed_ipv6_is_an_address(capsys):
+    assert parse_args(["router", "--listen", "[::1]:50051"]).listen == "[::1]:50051"
+    assert parse_args(["control-plane", "--host", "[::1]:8000"]).host == ["[::1]:8000"]
+    assert parse_args(["sim", "--address", "[::1]:8000"]).address == [("::1", 8000)]
+    spec = stack_spec(parse_args(["up", "--listen", "[::1]:10000", "--backend", "[::1]:8000"]))
+    assert (spec.listen, spec.backends) == (("::1", 10000), (("::1", 8000),))
+    listener = bootstrap(capsys, "--listen", "[::1]:10000")["static_resources"]["listeners"][0]
+    assert listener["address"]["socket_address"] == {"address": "::1", "port_value": 10000}
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("router", "--listen", "localhost:50051"),
+        ("router", "--host", "127.0.0.1:70000"),
+        ("envoy-config", "--listen", "::1:10000:x"),
+        ("up", "--admin", "127.0.0.1"),
+    ],
+)
+def test_a_bad_address_exits_2_naming_the_flag(capsys, flags):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(list(flags))
+    assert exit_.value.code == EXIT_USAGE
+    assert f"argument {flags[1]}:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("command", "flag", "values"),
+    [
+        ("router", "--routing-strategy", [s.value for s in Strategy]),
+        ("up", "--routing-strategy", [s.value for s in Strategy]),
+        ("router", "--key-mode", [m.value for m in KeyMode]),
+        ("up", "--mode", ["override-host", "original-dst"]),
+        ("envoy-config", "--mode", ["override-host", "original-dst"]),
+        ("sim", "--timing", ["fixed", "model"]),
+    ],
+)
+def test_an_invalid_choice_lists_the_allowed_values(capsys, command, flag, values):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([command, flag, "NOT-A-CHOICE"])
+    assert exit_.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"argument {flag}: invalid choice: 'NOT-A-CHOICE'" in err
+    for value in values:
+        assert repr(value) in err

@@ -28,6 +28,12 @@ READY_TIMEOUT_S = 60
 THRESHOLD = 2
 
 
+def document(n: int) -> str:
+    """A prompt whose first 4,096 characters only n tells apart: tests/prompts.py's, which
+    this package cannot import (it is a package of its own)."""
+    return f"document {n}: " + "the quick brown fox jumps over the lazy dog " * 200
+
+
 def join(address: tuple[str, int]) -> str:
     return f"{address[0]}:{address[1]}"
 

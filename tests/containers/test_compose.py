@@ -15,11 +15,10 @@ import pytest
 import yaml
 
 from extproc import metrics as router_metrics
-from extproc.bench.fleet_events import document
 from extproc.stack.bootstrap import BootstrapParams, render
 from extproc.stack.local import envoy_binary
 
-from .containers import wait_for
+from .containers import document, wait_for
 
 COMPOSE_DIR = Path(__file__).resolve().parents[2] / "compose"
 PROFILES = ["gpu", "cpu", "observability", "cpu,observability", "gpu,observability"]

@@ -9,9 +9,7 @@ import docker
 import httpx
 import pytest
 
-from extproc.bench.fleet_events import document
-
-from .containers import THRESHOLD, ContainerStack, metric, wait_for
+from .containers import THRESHOLD, ContainerStack, document, metric, wait_for
 
 
 def chat(text: str, max_tokens: int = 1) -> dict:

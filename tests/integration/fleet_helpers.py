@@ -9,10 +9,10 @@ from contextlib import contextmanager
 
 import httpx
 
-from extproc.bench.fleet_events import document, moved
-from extproc.bench.fleet_events import placements as bench_placements
 from extproc.stack.local import FAST_CONTROL_PLANE, LocalStack, StackSpec
 from extproc.stack.processes import wait_until
+
+from ..prompts import document
 
 
 def fleet_spec(backends: int = 3, **overrides) -> StackSpec:
@@ -36,12 +36,22 @@ def chat(text: str, max_tokens: int = 1) -> dict:
 
 
 __all__ = ["document", "moved_fraction"]
-moved_fraction = moved
+
+
+def moved_fraction(before: dict[int, str], after: dict[int, str]) -> float:
+    """The share of ``before``'s documents served somewhere else ``after``."""
+    return sum(before[d] != after[d] for d in before) / len(before)
 
 
 def placements(stack: LocalStack, docs: Iterable[int]) -> dict[int, str]:
     """Where each document's prefix is served now (every request must succeed)."""
-    return bench_placements(stack.url, docs)
+    result = {}
+    with httpx.Client(base_url=stack.url, timeout=10) as client:
+        for doc in docs:
+            response = client.post("/v1/chat/completions", json=chat(document(doc)))
+            response.raise_for_status()
+            result[doc] = response.headers["x-upstream-host"]
+    return result
 
 
 def wait_for_envoy_hosts(stack: LocalStack, expected: set[str], timeout: float = 10) -> float:

@@ -3,15 +3,28 @@
 import subprocess
 import sys
 
+PICKER = (
+    "extproc.picker.decide, extproc.picker.keys, extproc.picker.placement, extproc.picker.hosts"
+)
 
-def test_picker_imports_no_grpc_and_no_adapter():
+
+def _imported(modules: str, roots: tuple[str, ...]) -> str:
     code = (
-        "import sys, extproc.picker.decide, extproc.picker.keys, extproc.picker.placement, "
-        "extproc.picker.hosts, extproc.config; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('grpc', 'aiohttp', 'asyncio', 'socket', 'random') or m.startswith('extproc.adapter')))"
+        f"import sys, {modules}; "
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {roots!r} "
+        "or m.startswith('extproc.adapter')))"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
-    assert result.stdout.strip() == "[]"
+    return result.stdout.strip()
+
+
+def test_picker_imports_no_grpc_and_no_adapter():
+    assert _imported(PICKER, ("grpc", "aiohttp", "asyncio", "socket", "random")) == "[]"
+
+
+def test_config_imports_no_grpc_and_no_adapter():
+    # pydantic itself imports socket and random (for its own types), so the config schema
+    # is held to no network stack, event loop or adapter.
+    assert _imported("extproc.config", ("grpc", "aiohttp", "asyncio")) == "[]"

@@ -7,10 +7,10 @@ from typing import Any
 
 import httpx
 
-from extproc.bench.fleet_events import document
 from extproc.stack.local import FAST_CONTROL_PLANE, LocalStack, StackSpec
 from extproc.stack.processes import wait_until
 
+from ..prompts import document
 from .steady import CHAT, chat
 
 # No overflow at this traffic level, and placement by hash alone (no cache-pressure

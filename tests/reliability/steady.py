@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from extproc.bench.fleet_events import document
+from ..prompts import document
 
 CHAT = "/v1/chat/completions"
 

@@ -16,14 +16,13 @@ from extproc.adapter.messages import (
     LB_METADATA_KEY,
     LB_METADATA_NAMESPACE,
     ProcessingResponse,
-    request_body,
-    request_headers,
 )
 from extproc.adapter.service import SERVICE_NAME
-from extproc.bench.fleet_events import document
 from extproc.stack.local import LocalStack
 from extproc.stack.processes import wait_until
 
+from ..extproc_messages import request_body, request_headers
+from ..prompts import document
 from .stacks import placements, reliability_spec
 from .steady import CHAT, SteadyTraffic, chat
 

@@ -18,10 +18,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from extproc.bench.fleet_events import document
 from extproc.stack.local import LocalStack
 from extproc.stack.processes import wait_until
 
+from ..prompts import document
 from .stacks import reliability_spec, rss_kib
 from .steady import CHAT, SteadyTraffic, chat
 

@@ -9,7 +9,6 @@ same property in the decision core, without sending traffic anywhere.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import random
 import socket
@@ -24,14 +23,13 @@ from hypothesis import strategies as st
 
 from extproc.adapter import messages
 from extproc.adapter.routing import Router
-from extproc.bench.fleet_events import document
-from extproc.config import RouterConfig
+from extproc.config import PrefixMatch, RouterConfig
 from extproc.control.model import HostLoad
 from extproc.picker.decide import Strategy, decide
-from extproc.picker.hosts import HostSet
-from extproc.picker.placement import key_digest
+from extproc.picker.hosts import Host, HostSet
 from extproc.stack.local import LocalStack
 
+from ..prompts import document
 from .stacks import reliability_spec
 from .steady import CHAT, chat
 
@@ -191,7 +189,23 @@ def test_hostile_routing_attempts_never_leave_the_fleet(hostile_stack):
 
 # ---------------------------------------------------------------- the decision core
 
-PUBLISHED = ("127.0.0.11:8000", "127.0.0.12:8000", "127.0.0.13:8000", "[::1]:8001")
+# The published hosts and the models each serves, as the control plane publishes them
+# (from /v1/models): the base model everywhere, LoRA adapters on some hosts only, so the
+# router's model filter (HostSet.serving) narrows the set for lora-a and lora-b.
+SERVES = {
+    "127.0.0.11:8000": frozenset({"sim-model", "lora-a"}),
+    "127.0.0.12:8000": frozenset({"sim-model", "lora-a"}),
+    "127.0.0.13:8000": frozenset({"sim-model", "lora-b"}),
+    "[::1]:8001": frozenset({"sim-model"}),
+}
+PUBLISHED = tuple(SERVES)
+# Where a request for each model may go: the hosts that have it. A model every host has,
+# or none has, may go to any published host.
+ALLOWED = {
+    "lora-a": frozenset({"127.0.0.11:8000", "127.0.0.12:8000"}),
+    "lora-b": frozenset({"127.0.0.13:8000"}),
+}
+ANYWHERE = frozenset(PUBLISHED)
 # Never published: link-local (cloud metadata), private ranges, loopback outside the
 # fleet, the router's and Envoy's own ports.
 FORBIDDEN = (
@@ -209,14 +223,64 @@ FORBIDDEN = (
     "[fe80::1]:8000",
     "[fd00::1]:8000",
 )
+# Every way the router decides: the strategies, and PREFIX_AWARE's two matchers.
+DECIDERS = [
+    {"routing_strategy": Strategy.RANDOM},
+    {"routing_strategy": Strategy.LEAST_OUTSTANDING_REQUESTS},
+    {"routing_strategy": Strategy.PREFIX_AWARE, "prefix_match": PrefixMatch.LONGEST},
+    {"routing_strategy": Strategy.PREFIX_AWARE, "prefix_match": PrefixMatch.FIXED},
+]
 
 
-def test_the_forbidden_addresses_really_are_outside_and_non_public():
+def published_hosts(addresses: tuple[str, ...] = PUBLISHED) -> HostSet:
+    return HostSet.of_hosts(Host.of(a, SERVES[a]) for a in addresses)
+
+
+def hostile_router(feed_hosts: tuple[str, ...], **settings: object) -> Router:
+    """A control-plane router over the published hosts with a fresh load feed that names
+    ``feed_hosts`` (outside the set) idle and every member busy."""
+    config = RouterConfig(control_plane="127.0.0.1:18000", **settings)  # type: ignore[arg-type]
+    router = Router(config, random.Random(1))
+    router.set_hosts(published_hosts())
+    feed = {address: HostLoad(running=0.0) for address in feed_hosts}
+    feed.update({address: HostLoad(running=1000.0) for address in PUBLISHED})
+    router.set_feed(feed)
+    return router
+
+
+def route(router: Router, headers: dict[str, str], body: dict[str, object]) -> set[str]:
+    """The targets of one request, checked in the router's decision and in the response
+    Envoy gets (the header for original-dst, the metadata for override-host) alike."""
+    decision = router.route(headers, json.dumps(body).encode())
+    router.finish(decision)
+    response = messages.route_on_body(decision)
+    (option,) = response.request_body.response.header_mutation.set_headers
+    assert option.header.raw_value.decode() == decision.primary
+    metadata = response.dynamic_metadata.fields[messages.LB_METADATA_NAMESPACE].struct_value
+    sent = metadata.fields[messages.LB_METADATA_KEY].string_value.split(",")
+    assert sent == list(decision.targets)
+    assert len(sent) == len(set(sent)) > 0
+    return set(sent)
+
+
+@pytest.mark.parametrize("settings", DECIDERS, ids=lambda d: "-".join(map(str, d.values())))
+def test_no_forbidden_address_comes_out_of_the_router(settings):
+    """Each forbidden address named in every routing header, in body fields (the model
+    among them) and as an idle host in the load feed: the router still sends only
+    published hosts."""
+    router = hostile_router(FORBIDDEN, **settings)
     for address in FORBIDDEN:
-        host = address.rsplit(":", 1)[0].strip("[]")
-        ip = ipaddress.ip_address(host)
-        assert ip.is_private or ip.is_link_local or ip.is_loopback
-        assert address not in PUBLISHED
+        headers = {name.lower(): address for name in ROUTING_HEADERS}
+        body = {
+            **chat(document(1)),
+            "model": address,
+            "target_host": address,
+            "upstream": address,
+            "prompt_cache_key": address,
+        }
+        targets = route(router, headers, body)
+        assert targets <= ANYWHERE, (address, targets)
+        assert len(targets) == 3  # the primary and failover_hosts (2) more, all members
 
 
 hostile_text = st.sampled_from(FORBIDDEN) | st.text(max_size=40)
@@ -239,10 +303,10 @@ def test_decide_emits_only_published_hosts(
 ):
     """1,000 cases: loads that favour unpublished addresses (even negative ones) never
     put them in the target list."""
-    hosts = HostSet.of(published)
+    hosts = published_hosts(tuple(published))
     loads = {**member_loads, **forbidden_loads}
     decision = decide(digest, hosts, loads, strategy, threshold, failover, rand, balance)
-    assert set(decision.targets) <= set(hosts.addresses)
+    assert set(decision.targets) <= set(published)
     assert len(decision.targets) == len(set(decision.targets)) == min(1 + failover, len(hosts))
 
 
@@ -259,48 +323,37 @@ def test_decide_emits_only_published_hosts(
         st.sampled_from(["target_host", "x-target-host", "upstream", "model", "host"]),
         hostile_text,
     ),
+    model=st.sampled_from(["lora-a", "lora-b", "sim-model"]) | hostile_text,
     feed_hosts=st.lists(st.sampled_from(FORBIDDEN), max_size=5),
-    strategy=st.sampled_from(list(Strategy)),
+    settings=st.sampled_from(DECIDERS),
 )
 def test_router_ignores_hostile_headers_body_fields_and_feed_entries(
-    header_values, body_fields, feed_hosts, strategy
+    header_values, body_fields, model, feed_hosts, settings
 ):
     """800 cases through Router.route and the message builders: hostile headers, body
-    fields and load-feed entries for unpublished hosts never reach a response."""
-    router = Router(
-        RouterConfig(control_plane="127.0.0.1:18000", routing_strategy=strategy),
-        random.Random(1),
-    )
-    router.set_hosts(HostSet.of(PUBLISHED))
-    # A fresh feed naming hosts outside the set as idle, and every member as busy.
-    feed = {address: HostLoad(running=0.0) for address in feed_hosts}
-    feed.update({address: HostLoad(running=1000.0) for address in HostSet.of(PUBLISHED).addresses})
-    router.set_feed(feed)
+    fields and load-feed entries for unpublished hosts never reach a response, and a
+    request for a LoRA adapter goes only to the hosts that have it."""
+    router = hostile_router(tuple(feed_hosts), **settings)
     headers = {name.lower(): value for name, value in header_values}
-    body = json.dumps({**chat(document(1)), **body_fields}).encode()
-    decision = router.route(headers, body)
-    router.finish(decision)
-    published = set(HostSet.of(PUBLISHED).addresses)
-    assert set(decision.targets) <= published
-    response = messages.route_on_body(decision)
-    (option,) = response.request_body.response.header_mutation.set_headers
-    assert option.header.raw_value.decode() in published
-    metadata = response.dynamic_metadata.fields[messages.LB_METADATA_NAMESPACE].struct_value
-    assert set(metadata.fields[messages.LB_METADATA_KEY].string_value.split(",")) <= published
+    body = {**chat(document(1)), "model": model, **body_fields}
+    targets = route(router, headers, body)
+    assert targets <= ALLOWED.get(body["model"], ANYWHERE), (body["model"], targets)
 
 
-def test_models_subset_never_widens_the_set():
-    # A request for a model only forbidden hosts "serve" cannot pull them in: they are not
-    # in the set, so placement runs over the published hosts.
-    hosts = HostSet.of(PUBLISHED)
-    for model in ["lora-a", "sim-model", "169.254.169.254:80"]:
-        decision = decide(
-            key_digest(b"k", None),
-            hosts.serving(model),
-            {},
-            Strategy.PREFIX_AWARE,
-            32,
-            8,
-            0.5,
-        )
-        assert set(decision.targets) == set(hosts.addresses)
+@pytest.mark.parametrize("settings", DECIDERS, ids=lambda d: "-".join(map(str, d.values())))
+def test_the_model_filter_narrows_the_set_and_never_widens_it(settings):
+    """Every target the router may choose (failover 8 lists them all): only the hosts that
+    have the model, and a model no published host has (an address posing as one, say)
+    cannot pull anything in: placement runs over the published hosts."""
+    router = hostile_router(FORBIDDEN, failover_hosts=8, **settings)
+    expected = {
+        "lora-a": {"127.0.0.11:8000", "127.0.0.12:8000"},
+        "lora-b": {"127.0.0.13:8000"},
+        "sim-model": set(PUBLISHED),
+        "169.254.169.254:80": set(PUBLISHED),
+        "127.0.0.99:8000": set(PUBLISHED),
+    }
+    for model, hosts in expected.items():
+        for doc in range(5):
+            targets = route(router, {}, {**chat(document(doc)), "model": model})
+            assert targets == hosts, (model, doc, targets)

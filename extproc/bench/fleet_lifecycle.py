@@ -1,0 +1,108 @@
+"""The fleet's lifecycle: the simulated instances (one process, one aiohttp app each), our
+stack (Envoy, router replicas, control plane) and the ring_hash Envoy in front of them."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+
+import httpx
+
+from extproc.bench.fleet_options import FleetBenchOptions, simulator_args, stack_router_settings
+from extproc.bench.fleet_paths import REPLICAS, SESSION_HEADER
+from extproc.control.loadfeed import parse_vllm_metrics
+from extproc.stack.local import LocalStack, StackSpec, start_envoy
+from extproc.stack.processes import ManagedProcess, free_port, free_ports, http_ok, wait_until
+
+
+def reset_caches(addresses: Sequence[str]) -> None:
+    """Wait for the instances to go idle, then empty their prefix caches."""
+
+    def idle() -> bool:
+        loads = [parse_vllm_metrics(httpx.get(f"http://{a}/metrics").text, 0.0) for a in addresses]
+        return all(load.running == 0 and load.waiting == 0 for load in loads)
+
+    wait_until(idle, 120, "the simulators to go idle")
+    for address in addresses:
+        httpx.post(f"http://{address}/reset_prefix_cache").raise_for_status()
+
+
+class Fleet:
+    """The simulated instances and our stack; ``stop`` ends every process started."""
+
+    def __init__(self, options: FleetBenchOptions, work: Path) -> None:
+        self.options = options
+        self.work = work
+        hosts = [f"127.0.0.{31 + i}" for i in range(options.instances + options.spare_instances)]
+        port = free_port(hosts[0])
+        self.all_addresses = [f"{h}:{port}" for h in hosts]  # every simulator started
+        self.addresses = self.all_addresses[: options.instances]  # the fleet at first
+        self.sim: ManagedProcess | None = None
+        self.stack: LocalStack | None = None
+        self.ring_hash_url: str | None = None
+        self.ring_hash_admin_url: str | None = None
+        self._extra: list[ManagedProcess] = []
+
+    def adopt(self, process: ManagedProcess) -> ManagedProcess:
+        """Stop ``process`` with the fleet."""
+        self._extra.append(process)
+        return process
+
+    def start(self) -> None:
+        self._start_simulators()
+        backends = tuple((a.split(":")[0], int(a.split(":")[1])) for a in self.addresses)
+        spec = StackSpec.ephemeral(
+            0,
+            external_backends=backends,
+            router_settings=stack_router_settings(self.options),
+            upstream_host_header=False,
+            router_replicas=max([1, *(REPLICAS.get(p, 1) for p in self.options.paths)]),
+            work_dir=self.work / "stack",
+        )
+        self.stack = LocalStack(spec).start()
+        self._start_ring_hash(self.stack)
+
+    def _start_simulators(self) -> None:
+        argv = [sys.executable, "-m", "extproc", "sim", *simulator_args(self.options)]
+        for address in self.all_addresses:
+            argv += ["--address", address]
+        self.sim = ManagedProcess("sims", argv, self.work / "sims.log").start()
+        for address in self.all_addresses:
+            health = partial(http_ok, f"http://{address}/health")
+            wait_until(health, 60, address, self.sim)
+
+    def _start_ring_hash(self, stack: LocalStack) -> None:
+        """Envoy without ext_proc, consistent hashing on the session header, same EDS."""
+        listen, admin = free_ports(2)
+        ring_hash = replace(
+            stack.bootstrap_params(),
+            ext_proc=False,
+            ring_hash_header=SESSION_HEADER,
+            listen=("127.0.0.1", listen),
+            admin=("127.0.0.1", admin),
+        )
+        self.adopt(start_envoy("envoy-ring-hash", ring_hash, self.work / "stack"))
+        wait_until(
+            lambda: stack.envoy_hosts() == set(self.addresses),
+            30,
+            "the fleet in the baseline Envoy",
+        )
+        self.ring_hash_url = f"http://127.0.0.1:{listen}"
+        self.ring_hash_admin_url = f"http://127.0.0.1:{admin}"
+
+    def set_time_scale(self, value: float) -> None:
+        """Every simulator's time_scale, changed at run time (sim-only endpoint)."""
+        for address in self.all_addresses:
+            response = httpx.post(f"http://{address}/sim/time_scale", json={"time_scale": value})
+            response.raise_for_status()
+
+    def stop(self) -> None:
+        for process in reversed(self._extra):
+            process.stop()
+        if self.stack is not None:
+            self.stack.stop()
+        if self.sim is not None:
+            self.sim.stop()

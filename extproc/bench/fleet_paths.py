@@ -1,0 +1,98 @@
+"""The routing paths the fleet benchmark compares: ours (Envoy + the router, one config
+each), Envoy's own ring_hash, and the peers (vllm-router, smg) when installed."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from extproc.stack.processes import ManagedProcess, free_ports, wait_until
+
+if TYPE_CHECKING:
+    from extproc.bench.fleet_lifecycle import Fleet
+
+OUR_STRATEGIES = ("RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE")
+# PREFIX_AWARE with overflow switched off: no concurrency limit worth the name, no balance
+# bound. The hot-spot workload compares it with the default.
+NO_OVERFLOW = "PREFIX_AWARE-no-overflow"
+# SageMaker's behaviour: a hash of the first prefix_length characters.
+FIXED = "PREFIX_AWARE-fixed"
+# The default, with two router replicas that Envoy spreads the ext_proc streams over.
+TWO_REPLICAS = "PREFIX_AWARE-two-replicas"
+OUR_PATHS: dict[str, dict[str, Any]] = {
+    **{strategy: {"routing_strategy": strategy} for strategy in OUR_STRATEGIES},
+    FIXED: {"routing_strategy": "PREFIX_AWARE", "prefix_match": "fixed"},
+    TWO_REPLICAS: {"routing_strategy": "PREFIX_AWARE"},
+    NO_OVERFLOW: {
+        "routing_strategy": "PREFIX_AWARE",
+        "concurrency_threshold": 1024,
+        "balance_factor": None,
+    },
+}
+REPLICAS = {TWO_REPLICAS: 2}
+RING_HASH = "envoy-ring-hash"
+PEERS = {
+    "vllm-router-cache-aware": ("vllm-router", "cache_aware"),
+    "vllm-router-consistent-hash": ("vllm-router", "consistent_hash"),
+    "smg-cache-aware": ("smg", "cache_aware"),
+}
+SESSION_HEADER = "x-session-id"
+
+
+def our_paths_document(paths: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """Each of our paths in ``paths``: the router settings it runs with and its replicas."""
+    return {
+        path: {"settings": dict(OUR_PATHS[path]), "replicas": REPLICAS.get(path, 1)}
+        for path in paths
+        if path in OUR_PATHS
+    }
+
+
+def _answers_chat(url: str) -> bool:
+    body = {"model": "sim-model", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def start_peer(fleet: Fleet, name: str) -> str | None:
+    """Start peer ``name`` in front of the fleet; its base URL, or None if not installed."""
+    binary, policy = PEERS[name]
+    # Installed beside this Python (the bench extra), or anywhere on PATH.
+    beside = Path(sys.executable).parent / binary
+    path = str(beside) if beside.exists() else shutil.which(binary)
+    if path is None:
+        return None
+    port, metrics_port = free_ports(2)
+    argv = [path, *(["launch"] if binary == "smg" else [])]
+    argv += [
+        "--host", "127.0.0.1", "--port", str(port),
+        "--worker-urls", *[f"http://{a}" for a in fleet.addresses],
+        "--policy", policy,
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+    ]  # fmt: skip
+    process = fleet.adopt(ManagedProcess(name, argv, fleet.work / f"{name}.log").start())
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: _answers_chat(url), 60, name, process)
+    return url
+
+
+def path_url(fleet: Fleet, path: str) -> str | None:
+    """Switch to ``path`` (our router by config hot reload; a peer by starting it) and
+    return its base URL; None when the peer is not installed."""
+    stack = fleet.stack
+    assert stack is not None
+    if path in OUR_PATHS:
+        stack.write_router_config(**OUR_PATHS[path])
+        stack.restart_routers(REPLICAS.get(path, 1))
+        return stack.url
+    if path == RING_HASH:
+        return fleet.ring_hash_url
+    if path in PEERS:
+        return start_peer(fleet, path)
+    raise ValueError(f"unknown path {path!r}")

@@ -1,0 +1,72 @@
+"""Benchmarks of one part of the router: its overhead per request, its host-set changes
+(fleet-events) and its prefix index."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from extproc.cli.bench.workload import Workload, command_line, duration, out, quick, rounds
+
+OVERHEAD_DURATION_S = 10.0
+
+
+def run_overhead(args: argparse.Namespace) -> int:
+    from extproc.bench.overhead import OverheadOptions, run
+
+    run(
+        OverheadOptions(
+            duration_s=2.0 if args.quick else (args.duration or OVERHEAD_DURATION_S),
+            rounds=1 if args.quick else args.rounds,
+            out_dir=args.out,
+        )
+    )
+    return 0
+
+
+def run_fleet_events(args: argparse.Namespace) -> int:
+    from extproc.bench import fleet_events
+
+    path = fleet_events.run(
+        fleet_events.FleetEventOptions(
+            prefixes=50 if args.quick else 200,
+            rounds=1 if args.quick else args.rounds,
+            out_dir=args.out,
+        )
+    )
+    print(path.read_text())
+    return 0
+
+
+def run_prefix_index(args: argparse.Namespace) -> int:
+    from extproc.bench import prefix_index
+
+    options = prefix_index.PrefixIndexOptions(out_dir=args.out, command=command_line(args))
+    if args.quick:
+        options = replace(options, iterations=200, seeds=(1,), quality_duration_s=10.0)
+    data = prefix_index.run(options)
+    for cost in data["costs"]:
+        print(cost)
+    return 0
+
+
+WORKLOADS = (
+    Workload(
+        "overhead",
+        "direct vs Envoy vs Envoy+router, at concurrency 1 and 16 (needs wrk)",
+        (rounds, duration(OVERHEAD_DURATION_S, "seconds per sample"), quick, out),
+        run_overhead,
+    ),
+    Workload(
+        "fleet-events",
+        "prefixes moved scaling 3->4->3, and time from a host's death to its ejection",
+        (rounds, quick, out),
+        run_fleet_events,
+    ),
+    Workload(
+        "prefix-index",
+        "the prefix index's cost per request and its block size's effect on routing",
+        (quick, out),
+        run_prefix_index,
+    ),
+)

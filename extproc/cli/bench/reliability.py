@@ -1,0 +1,80 @@
+"""soak and saturation: the full stack under long and under rising load (both write
+reliability.md)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from extproc.cli.bench.workload import Workload, command_line, duration, out, quick, rounds
+
+SATURATION_DURATION_S = 4.0
+
+
+def requests(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, help="requests to send (default 200000)")
+
+
+def run_soak(args: argparse.Namespace) -> int:
+    from extproc.bench import soak
+
+    command = command_line(args)
+    options = soak.SoakOptions(out_dir=args.out, command=command)
+    if args.quick:
+        options = soak.SoakOptions(
+            requests=3000,
+            warmup_s=2.0,
+            segment_s=2.0,
+            leak_probe_streams=0,
+            out_dir=args.out,
+            command=command,
+        )
+    if args.requests:
+        options = dataclasses.replace(options, requests=args.requests)
+    result = soak.run(options)
+    print(
+        f"soak: {result.requests} requests, {result.errors} errors, in flight at end "
+        f"{result.in_flight_end:g}, RSS growth router {result.growth['router']:+.1%} "
+        f"control plane {result.growth['control_plane']:+.1%}: "
+        f"{'passed' if result.passed else 'FAILED'}"
+    )
+    return 0 if result.passed else 1
+
+
+def run_saturation(args: argparse.Namespace) -> int:
+    from extproc.bench import saturation
+
+    sat = saturation.SaturationOptions(
+        rounds=args.rounds,
+        out_dir=args.out,
+        command=command_line(args),
+        duration_s=args.duration or SATURATION_DURATION_S,
+    )
+    if args.quick:
+        sat = dataclasses.replace(
+            sat, rates=(100, 200), duration_s=1.0, rounds=1, profile_s=1.0, failures_to_stop=2
+        )
+    found = saturation.run(sat)
+    for config, rate in found.max_rate.items():
+        print(
+            f"saturation: {config}: {rate} req/s at p99 <= {sat.added_p99_budget_ms:g} ms added, "
+            f"capacity {found.capacity.get(config)} req/s"
+        )
+    return 0
+
+
+WORKLOADS = (
+    Workload(
+        "soak",
+        "hundreds of thousands of requests through the full stack: memory, in-flight "
+        "accounting and state sizes",
+        (requests, quick, out),
+        run_soak,
+    ),
+    Workload(
+        "saturation",
+        "the highest rate the router sustains within a p99 budget above plain Envoy's",
+        (rounds, duration(SATURATION_DURATION_S, "seconds at each rate step"), quick, out),
+        run_saturation,
+    ),
+)

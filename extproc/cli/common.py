@@ -1,0 +1,98 @@
+"""Parsing helpers the commands share: addresses, enum choices and the routing flags."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+import urllib.parse
+from collections.abc import Iterable
+from enum import Enum
+from typing import Any, TypeAlias
+
+from extproc.picker.decide import Strategy
+from extproc.picker.hosts import parse_host_address
+from extproc.picker.keys import KeyMode
+
+EXIT_USAGE = 2
+# What ``add_subparsers`` returns; each command module's ``register`` adds its parser to it.
+Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+def choices(values: type[Enum] | Iterable[str]) -> list[str]:
+    """The values of an enum (or of a tuple of literals), for ``choices=``."""
+    return [str(getattr(value, "value", value)) for value in values]
+
+
+def host_address(text: str) -> str:
+    """An ``ip:port`` flag (IPv6 in brackets), normalised as the config files have it."""
+    try:
+        return parse_host_address(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def ip_port(text: str) -> tuple[str, int]:
+    """An ``ip:port`` flag as the (ip, port) pair Envoy's socket addresses take."""
+    host, _, port = host_address(text).rpartition(":")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def backend_url(text: str) -> tuple[str, int]:
+    """``http://host:port`` (or ``host:port``) resolved to an IP, as Envoy matches on IPs."""
+    parsed = urllib.parse.urlsplit(text if "://" in text else f"http://{text}")
+    try:
+        port = parsed.port or 80
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: port must be 1-65535") from None
+    if parsed.scheme != "http" or not parsed.hostname:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected http://host:port")
+    host = parsed.hostname
+    if ":" in host:  # an IPv6 literal, written [ip]:port
+        return ip_port(f"[{host}]:{port}")
+    try:
+        address = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot resolve ({error})") from None
+    return str(address[0][4][0]), port
+
+
+def usage_error(command: str, message: str) -> int:
+    """Say why the flags given cannot run, as argparse would, and return exit code 2."""
+    print(f"prefix-router {command}: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def add_routing_flags(parser: argparse.ArgumentParser) -> None:
+    """The routing settings ``up`` and ``router`` take; unset flags leave the config's."""
+    group = parser.add_argument_group("routing (override the config file and environment)")
+    group.add_argument(
+        "--routing-strategy",
+        choices=choices(Strategy),
+        help="how to pick the upstream (default PREFIX_AWARE)",
+    )
+    group.add_argument(
+        "--prefix-length",
+        type=int,
+        help="bytes (native) or characters (openai) of the prompt that form the key, "
+        "1024-65536 (default 8192)",
+    )
+    group.add_argument(
+        "--concurrency-threshold",
+        type=int,
+        help="requests in flight on a host before new ones overflow, 1-1024 (default 32)",
+    )
+    group.add_argument(
+        "--key-mode",
+        choices=choices(KeyMode),
+        help="openai: message text of the JSON body; native: raw body bytes (default openai)",
+    )
+
+
+def routing_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "routing_strategy": args.routing_strategy,
+        "prefix_length": args.prefix_length,
+        "concurrency_threshold": args.concurrency_threshold,
+        "key_mode": args.key_mode,
+    }

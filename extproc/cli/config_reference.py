@@ -1,0 +1,23 @@
+"""``prefix-router config-reference``: docs/configuration.md, from the config schema."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from extproc.cli.common import Commands
+
+
+def register(commands: Commands) -> None:
+    parser = commands.add_parser(
+        "config-reference",
+        help="print the configuration reference (docs/configuration.md) from the config schema",
+    )
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from extproc.config_reference import render
+
+    sys.stdout.write(render())
+    return 0

@@ -1,0 +1,106 @@
+"""``prefix-router envoy-config``: print an Envoy bootstrap."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from extproc.cli.common import Commands, choices, ip_port, usage_error
+from extproc.stack.bootstrap import MODES, BootstrapParams
+
+DESCRIPTION = (
+    "Print an Envoy bootstrap. The backend cluster's hosts come from one place per mode: in "
+    "override-host mode from the control plane over EDS (--control-plane), or from --backend "
+    "with --static; in original-dst mode from the router's x-target-host header, so no flag "
+    "names them. A flag that cannot apply to the chosen mode is refused, not ignored."
+)
+
+
+def register(commands: Commands) -> None:
+    parser = commands.add_parser(
+        "envoy-config",
+        help="print an Envoy bootstrap",
+        description=DESCRIPTION,
+    )
+    parser.add_argument(
+        "--mode",
+        choices=choices(MODES),
+        default="override-host",
+        help="how Envoy applies the router's choice (default override-host)",
+    )
+    parser.add_argument("--listen", type=ip_port, default=BootstrapParams.listen)
+    parser.add_argument("--admin", type=ip_port, default=BootstrapParams.admin)
+    parser.add_argument(
+        "--router",
+        type=ip_port,
+        action="append",
+        default=[],
+        help="a router process, ip:port; repeatable",
+    )
+    parser.add_argument(
+        "--backend",
+        type=ip_port,
+        action="append",
+        default=[],
+        help="a backend, ip:port; repeatable. With --static only (override-host mode)",
+    )
+    parser.add_argument(
+        "--control-plane",
+        type=ip_port,
+        default=None,
+        help="xDS address the backend cluster comes from (default 127.0.0.1:18000); "
+        "override-host mode without --static only",
+    )
+    parser.add_argument(
+        "--static",
+        action="store_true",
+        help="a STATIC backend cluster of --backend hosts instead of EDS (override-host mode)",
+    )
+    parser.add_argument("--no-upstream-host-header", action="store_true")
+    parser.set_defaults(handler=run)
+
+
+def _inapplicable(args: argparse.Namespace) -> str | None:
+    """Why a flag given cannot apply to the chosen mode, or None."""
+    if args.mode == "original-dst":
+        reason = (
+            "does not apply to --mode original-dst: Envoy connects to the host the router "
+            "names in x-target-host (an ORIGINAL_DST cluster has no host list)"
+        )
+        given = [
+            flag
+            for flag, value in (
+                ("--backend", args.backend),
+                ("--static", args.static),
+                ("--control-plane", args.control_plane),
+            )
+            if value
+        ]
+        return f"{given[0]} {reason}" if given else None
+    if args.static and args.control_plane is not None:
+        return "--control-plane does not apply with --static: the backend cluster is STATIC"
+    if args.backend and not args.static:
+        return (
+            "--backend applies with --static only: without it the backend cluster comes "
+            "from the control plane over EDS (--control-plane)"
+        )
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from extproc.stack.bootstrap import render
+
+    problem = _inapplicable(args)
+    if problem is not None:
+        return usage_error("envoy-config", problem)
+    params = BootstrapParams(
+        mode=args.mode,
+        listen=args.listen,
+        admin=args.admin,
+        routers=tuple(args.router) or BootstrapParams.routers,
+        backends=tuple(args.backend) or BootstrapParams.backends,
+        control_plane=None if args.static else args.control_plane or BootstrapParams.control_plane,
+        upstream_host_header=not args.no_upstream_host_header,
+    )
+    sys.stdout.write(render(params))
+    return 0

@@ -1,0 +1,57 @@
+"""``prefix-router router``: the ext_proc router (gRPC)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+from extproc.cli.common import Commands, add_routing_flags, host_address, routing_overrides
+
+
+def register(commands: Commands) -> None:
+    parser = commands.add_parser("router", help="run the ext_proc router (gRPC)")
+    parser.add_argument("--config", type=Path, help="YAML config file")
+    parser.add_argument(
+        "--listen",
+        type=host_address,
+        help="gRPC listen address, ip:port (default 127.0.0.1:50051)",
+    )
+    parser.add_argument(
+        "--metrics-listen",
+        type=host_address,
+        help="Prometheus address, ip:port (default 127.0.0.1:9102)",
+    )
+    parser.add_argument(
+        "--control-plane",
+        type=host_address,
+        metavar="IP:PORT",
+        help="the control plane's xDS address; it supplies the hosts and the load feed",
+    )
+    parser.add_argument(
+        "--host",
+        type=host_address,
+        action="append",
+        default=[],
+        metavar="IP:PORT",
+        help="an upstream host; repeatable (replaces the config's hosts)",
+    )
+    add_routing_flags(parser)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from extproc import logs
+    from extproc.adapter.service import serve
+    from extproc.config import load_config
+
+    overrides = routing_overrides(args)
+    overrides["listen"] = args.listen
+    overrides["metrics_listen"] = args.metrics_listen
+    overrides["control_plane"] = args.control_plane
+    if args.host:
+        overrides["hosts"] = tuple(args.host)
+    config = load_config(args.config, overrides=overrides)
+    logs.configure(config.log_level)
+    asyncio.run(serve(config, config_path=args.config, overrides=overrides))
+    return 0

@@ -1,0 +1,324 @@
+"""The config schema's building blocks: frozen pydantic models, typed fields that declare
+their range once, and the translation of validation errors into ``ConfigError``.
+
+A field's description, type, default and range are declared once, on the model (see
+extproc/config.py and extproc/control/config.py). Validation, the environment loader,
+docs/configuration.md and the JSON Schema (``prefix-router config-schema``) all read them
+from there, so none of them can drift from the others.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import types
+import typing
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Self
+
+import annotated_types
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+)
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
+
+from extproc.errors import ConfigError
+from extproc.picker.hosts import parse_host_address
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LogLevel = typing.Literal["debug", "info", "warning", "error"]
+assert typing.get_args(LogLevel) == LOG_LEVELS
+
+
+class FrozenModel(BaseModel):
+    """A validated, immutable settings value: unknown fields are errors, and setting an
+    attribute raises AttributeError, as on a frozen dataclass. Build one from outside
+    input with ``validated`` (errors become ConfigError); the constructor, for code,
+    raises pydantic's ValidationError."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is frozen: cannot set {name!r}")
+
+    def replace(self, **changes: Any) -> Self:
+        """A copy with ``changes``, validated again (unlike ``model_copy``)."""
+        return validated(type(self), {**dict(self), **changes})
+
+
+def _invalid(allowed: str) -> PydanticCustomError:
+    # The message is what is allowed; the field and the value come from the error's place.
+    return PydanticCustomError("config", "{allowed}", {"allowed": allowed})
+
+
+def finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise _invalid("a finite number")
+    return float(value)
+
+
+# A float or an int (not a bool or a string), kept as a float; a field adds its range with
+# ``described(..., ge=low, le=high)``. Integers are pydantic's StrictInt (not a bool, a
+# float or a string).
+Number = Annotated[float, Strict(), AfterValidator(finite)]
+
+
+def _address(value: Any) -> str:
+    if not isinstance(value, str):
+        raise _invalid("an ip:port string")
+    try:
+        return parse_host_address(value)
+    except ValueError as error:
+        raise _invalid(f"ip:port ({error})") from None
+
+
+def _dns_name(value: Any) -> str:
+    host, _, port = str(value).rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise _invalid("host:port with a port from 1 to 65535")
+    return str(value)
+
+
+# An IP literal and a port, normalised ("[::1]:08000" -> "[::1]:8000").
+Address = Annotated[str, BeforeValidator(_address)]
+# A DNS name and a port.
+DnsName = Annotated[str, BeforeValidator(_dns_name)]
+Name = Annotated[str, Strict(), Field(min_length=1)]
+
+
+def described(
+    text: str,
+    default: Any = ...,
+    *,
+    allowed: str | None = None,
+    at_most: str | None = None,
+    **kwargs: Any,
+) -> Any:
+    """A field's description; ``allowed`` says in words what no type states (ip:port),
+    and ``at_most`` names a sibling field whose value bounds this one (a timeout within
+    its interval: the model checks it with ``check_at_most``)."""
+    extra: dict[str, Any] = {
+        **({"x-allowed": allowed} if allowed else {}),
+        **({"x-at-most": at_most} if at_most else {}),
+    }
+    return Field(default, description=text, json_schema_extra=extra or None, **kwargs)
+
+
+def check_at_most(
+    model: type[BaseModel], name: str, value: float, data: Mapping[str, Any]
+) -> float:
+    field = model.model_fields[name]
+    sibling = sibling_bound(field)
+    limit = data.get(sibling) if sibling else None
+    if limit is not None and value > limit:
+        raise _invalid(f"{allowed_text(field)} ({sibling} is {limit:g})")
+    return value
+
+
+# --- reading a model's declarations -----------------------------------------------------
+
+
+def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return (args[0] if len(args) == 1 else hint), type(None) in typing.get_args(hint)
+    return hint, False
+
+
+def _constraints(field: FieldInfo) -> Iterator[Any]:
+    """Every metadata object of a field, including those inside an Optional[Annotated]."""
+    yield from field.metadata
+    inner, _ = _unwrap_optional(field.annotation)
+    if typing.get_origin(inner) is Annotated:
+        for item in typing.get_args(inner)[1:]:
+            yield item
+            if isinstance(item, FieldInfo):
+                yield from item.metadata
+
+
+def base_type(field: FieldInfo) -> tuple[Any, bool]:
+    """The field's value type without Optional or Annotated, and whether null is allowed."""
+    inner, optional = _unwrap_optional(field.annotation)
+    if typing.get_origin(inner) is Annotated:
+        inner = typing.get_args(inner)[0]
+    return inner, optional
+
+
+def bounds(field: FieldInfo) -> tuple[float, float] | None:
+    low = high = None
+    for item in _constraints(field):
+        if isinstance(item, annotated_types.Ge):
+            low = item.ge
+        elif isinstance(item, annotated_types.Le):
+            high = item.le
+    return None if low is None or high is None else (low, high)  # type: ignore[return-value]
+
+
+def sibling_bound(field: FieldInfo) -> str | None:
+    """The name of the field whose value is this one's upper bound, if any."""
+    extra = field.json_schema_extra
+    return extra.get("x-at-most") if isinstance(extra, dict) else None  # type: ignore[return-value]
+
+
+def allowed_text(field: FieldInfo) -> str:
+    """What a field accepts, in words, for errors."""
+    kind, optional = base_type(field)
+    suffix = ", or null" if optional else ""
+    limits = bounds(field)
+    sibling = sibling_bound(field)
+    if kind is float and sibling:
+        low = limits[0] if limits else 0
+        return f"a number from {low:g} to {sibling}{suffix}"
+    if kind is int and limits:
+        return f"an integer from {limits[0]} to {limits[1]}{suffix}"
+    if kind is float and limits:
+        return f"a number from {limits[0]:g} to {limits[1]:g}{suffix}"
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return "one of " + ", ".join(str(m.value) for m in kind)
+    if typing.get_origin(kind) is typing.Literal:
+        return "one of " + ", ".join(typing.get_args(kind))
+    if isinstance(kind, type) and issubclass(kind, BaseModel):
+        return "a mapping"
+    extra = field.json_schema_extra
+    if isinstance(extra, dict) and extra.get("x-allowed"):
+        text = str(extra["x-allowed"])
+        if typing.get_origin(kind) is tuple:
+            return f"a list of {text}"
+        if typing.get_origin(kind) in (dict, Mapping):
+            return f"a mapping of {text}"
+        return text
+    return "a " + {str: "string", int: "integer", float: "number", bool: "boolean"}.get(
+        kind, "value"
+    )
+
+
+# --- validation -------------------------------------------------------------------------
+
+M = typing.TypeVar("M", bound=BaseModel)
+
+
+def _place(model: type[BaseModel], loc: tuple[int | str, ...]) -> str:
+    """An error's location as the field's name in the file: ``health.timeout_s``,
+    ``hosts[1]``, ``zones['vllm-1:8000']``."""
+    text = ""
+    current: Any = model
+    for part in loc:
+        if part == "[key]":
+            continue
+        if isinstance(current, type) and issubclass(current, BaseModel) and isinstance(part, str):
+            text += f".{part}" if text else part
+            field = current.model_fields.get(part)
+            current = base_type(field)[0] if field is not None else None
+        else:  # an entry of a list or a mapping
+            text += f"[{part}]" if isinstance(part, int) else f"[{part!r}]"
+            current = None
+    return text
+
+
+def _field_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> FieldInfo | None:
+    field = None
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int) or part == "[key]":
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+            break
+        field = current.model_fields.get(str(part))
+        if field is None:
+            return None
+        current, _ = base_type(field)
+    return field
+
+
+def _known_fields(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
+    current: Any = model
+    for part in loc[:-1]:
+        field = current.model_fields.get(str(part))
+        if field is None:
+            break
+        current, _ = base_type(field)
+    return list(current.model_fields)
+
+
+def config_error(error: ValidationError, model: type[BaseModel]) -> ConfigError:
+    """The first error of a validation, as a ConfigError naming the field, the value and
+    what is allowed."""
+    first = error.errors()[0]
+    loc = tuple(first["loc"])
+    if first["type"] == "extra_forbidden":
+        known = ", ".join(_known_fields(model, loc))
+        return ConfigError(_place(model, loc), first["input"], f"a known field: {known}")
+    if first["type"] == "config":
+        return ConfigError(_place(model, loc), first["input"], str(first["ctx"]["allowed"]))
+    field = _field_at(model, loc)
+    if first["type"] == "model_type" or field is None:
+        return ConfigError(_place(model, loc) or model.__name__, first["input"], "a mapping")
+    if any(isinstance(part, int) for part in loc):  # an entry of a list
+        extra = field.json_schema_extra
+        allowed = extra.get("x-allowed") if isinstance(extra, dict) else None
+        return ConfigError(_place(model, loc), first["input"], str(allowed or "a valid entry"))
+    return ConfigError(_place(model, loc), first["input"], allowed_text(field))
+
+
+def validated(model: type[M], values: Mapping[str, Any]) -> M:
+    """``model`` from ``values``, or ConfigError naming the first bad field."""
+    try:
+        return model.model_validate(dict(values))
+    except ValidationError as error:
+        raise config_error(error, model) from None
+
+
+# --- sources: files and the environment -------------------------------------------------
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The mapping in a YAML config file; ConfigError on a missing or malformed file."""
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise ConfigError("config file", str(path), f"a readable file ({error.strerror})") from None
+    except yaml.YAMLError as error:
+        raise ConfigError("config file", str(path), f"valid YAML ({error})") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError("config file", str(path), f"UTF-8 text ({error.reason})") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError("config file", str(path), "a YAML mapping of field: value")
+    return loaded
+
+
+_NULL_WORDS = ("", "none", "null", "off")
+
+
+def env_values(model: type[BaseModel], env: Mapping[str, str], prefix: str) -> dict[str, Any]:
+    """The fields of ``model`` set in ``env`` as ``<prefix><FIELD>``, each string converted
+    to its field's type (lists comma-separated, ``off`` or ``null`` for an optional field);
+    the model validates the result."""
+    values: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        raw = env.get(prefix + name.upper())
+        if raw is None:
+            continue
+        kind, optional = base_type(field)
+        if optional and raw.strip().lower() in _NULL_WORDS:
+            values[name] = None
+        elif typing.get_origin(kind) is tuple:
+            values[name] = tuple(p for p in (p.strip() for p in raw.split(",")) if p)
+        elif kind in (int, float):
+            try:
+                values[name] = kind(raw)
+            except ValueError:
+                raise ConfigError(name, raw, allowed_text(field)) from None
+        else:
+            values[name] = raw
+    return values

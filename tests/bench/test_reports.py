@@ -1,0 +1,80 @@
+"""Every committed report is a rendering of its stored run: rendering the JSON again
+gives the committed markdown back, byte for byte."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from extproc.bench import headline, reliability_report, report
+
+REPORTS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks"
+# Pages that are not one run's report.
+NOT_REPORTS = {"README.md"}
+# The reliability page renders two stored runs on one page.
+RELIABILITY = {
+    "reliability.md": ("reliability-soak.json", "reliability-saturation.json"),
+}
+
+
+def _reports() -> list[str]:
+    return sorted(p.name for p in REPORTS.glob("*.md") if p.name not in NOT_REPORTS)
+
+
+def test_every_report_has_its_stored_run():
+    for name in _reports():
+        stored = RELIABILITY.get(name, (name.removesuffix(".md") + ".json",))
+        for part in stored:
+            assert (REPORTS / part).exists(), f"{name} has no stored run ({part})"
+
+
+@pytest.mark.parametrize("name", [n for n in _reports() if n not in RELIABILITY])
+def test_report_is_its_stored_run_rendered(name, tmp_path):
+    stem = name.removesuffix(".md")
+    data = json.loads((REPORTS / f"{stem}.json").read_text())
+    assert data.get("kind") in report.RENDERERS, f"{stem}.json does not name its generator"
+    shutil.copy(REPORTS / f"{stem}.json", tmp_path)
+    rendered = report.rerender(tmp_path / f"{stem}.json")
+    assert rendered.read_text() == (REPORTS / name).read_text(), (
+        f"docs/benchmarks/{name} is not its JSON rendered: re-run its command, or "
+        f"`prefix-router bench render docs/benchmarks/{stem}.json` (never edit it by hand)"
+    )
+
+
+def test_reliability_page_is_its_stored_runs_rendered():
+    soak, saturation = (
+        json.loads((REPORTS / part).read_text()) for part in RELIABILITY["reliability.md"]
+    )
+    committed = (REPORTS / "reliability.md").read_text()
+    assert reliability_report.render_text(soak, saturation) == committed
+
+
+def test_headline_page_is_the_stored_runs_rendered():
+    committed = (REPORTS / headline.PAGE).read_text()
+    assert headline.render(headline.load_runs(REPORTS)) == committed, (
+        "docs/benchmarks/README.md is stale: prefix-router bench render"
+    )
+
+
+def _fleet_run(hit_rates: dict[str, float]) -> dict[str, object]:
+    outcome = {"status": 200, "error": None, "ttft_s": 0.1}
+    return {
+        "machine": "m",
+        "results": [
+            {"path": path, "hit_rate": rate, "shares": {"a": 0.5, "b": 0.5},
+             "outcomes": [outcome], "time_scale": 1.0, "skipped": None}
+            for path, rate in hit_rates.items()
+        ],
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(("ours", "met"), [(0.85, True), (0.80, False)])
+def test_headline_targets_are_computed_from_the_runs(ours, met):
+    run = _fleet_run({"PREFIX_AWARE": ours, "envoy-ring-hash": 0.82, "smg-cache-aware": 0.81})
+    (row, *_) = headline.rows({"long-context": run})
+    assert (row.ours, row.peer, row.met) == (f"{ours:.1%}", "ring_hash 82.0%", met)
+    shares = next(r for r in headline.rows({"long-context": run}) if "busiest" in r.measure)
+    assert (shares.ours, shares.met) == ("50.0%", False)  # two hosts: 50% each, over 20%
