@@ -21,7 +21,7 @@ from pydantic.fields import FieldInfo
 
 from extproc.config import ENV_PREFIX, RouterConfig
 from extproc.control.config import ControlPlaneConfig
-from extproc.schema import base_type, bounds, sibling_bound
+from extproc.schema import base_type, choice_values, range_text
 
 # The files each schema checks, by the name ``config-schema`` takes.
 SCHEMAS: dict[str, type[BaseModel]] = {"router": RouterConfig, "control-plane": ControlPlaneConfig}
@@ -101,20 +101,13 @@ def _default(field: FieldInfo) -> str:
 
 
 def _allowed(field: FieldInfo, prefix: str) -> str:
-    kind, optional = base_type(field)
-    limits = bounds(field)
-    sibling = sibling_bound(field)
-    null = ", or null" if optional else ""
-    if sibling:
-        low = limits[0] if limits else 0
-        return f"{low:g} to `{prefix}{sibling}`{null}"
-    if limits:
-        low, high = limits
-        return (f"{low} to {high}" if kind is int else f"{low:g} to {high:g}") + null
-    if isinstance(kind, type) and issubclass(kind, enum.Enum):
-        return ", ".join(f"`{m.value}`" for m in kind)
-    if typing.get_origin(kind) is typing.Literal:
-        return ", ".join(f"`{v}`" for v in typing.get_args(kind))
+    limits = range_text(field, name=lambda sibling: f"`{prefix}{sibling}`")
+    if limits is not None:
+        return limits
+    values = choice_values(field)
+    if values is not None:
+        return ", ".join(f"`{v}`" for v in values)
+    kind, _ = base_type(field)
     if isinstance(kind, type) and issubclass(kind, BaseModel):
         return "see below"
     extra = field.json_schema_extra

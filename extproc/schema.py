@@ -13,7 +13,7 @@ import enum
 import math
 import types
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Self
 
@@ -34,9 +34,8 @@ from pydantic_core import PydanticCustomError
 from extproc.errors import ConfigError
 from extproc.picker.hosts import parse_host_address
 
-LOG_LEVELS = ("debug", "info", "warning", "error")
 LogLevel = typing.Literal["debug", "info", "warning", "error"]
-assert typing.get_args(LogLevel) == LOG_LEVELS
+LOG_LEVELS: tuple[str, ...] = typing.get_args(LogLevel)
 
 
 class FrozenModel(BaseModel):
@@ -169,23 +168,41 @@ def sibling_bound(field: FieldInfo) -> str | None:
     return extra.get("x-at-most") if isinstance(extra, dict) else None  # type: ignore[return-value]
 
 
-def allowed_text(field: FieldInfo) -> str:
-    """What a field accepts, in words, for errors."""
+def range_text(field: FieldInfo, name: Callable[[str], str] = str) -> str | None:
+    """A field's range as ``low to high`` (``low to <sibling>`` when another field bounds
+    it, that field's name written by ``name``), or None for a field with no range."""
     kind, optional = base_type(field)
-    suffix = ", or null" if optional else ""
     limits = bounds(field)
     sibling = sibling_bound(field)
-    if kind is float and sibling:
-        low = limits[0] if limits else 0
-        return f"a number from {low:g} to {sibling}{suffix}"
-    if kind is int and limits:
-        return f"an integer from {limits[0]} to {limits[1]}{suffix}"
-    if kind is float and limits:
-        return f"a number from {limits[0]:g} to {limits[1]:g}{suffix}"
+    if sibling:
+        text = f"{limits[0] if limits else 0:g} to {name(sibling)}"
+    elif limits:
+        low, high = limits
+        text = f"{low} to {high}" if kind is int else f"{low:g} to {high:g}"
+    else:
+        return None
+    return text + (", or null" if optional else "")
+
+
+def choice_values(field: FieldInfo) -> tuple[str, ...] | None:
+    """The values an enum or Literal field takes, or None for any other field."""
+    kind, _ = base_type(field)
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
-        return "one of " + ", ".join(str(m.value) for m in kind)
+        return tuple(str(m.value) for m in kind)
     if typing.get_origin(kind) is typing.Literal:
-        return "one of " + ", ".join(typing.get_args(kind))
+        return typing.get_args(kind)
+    return None
+
+
+def allowed_text(field: FieldInfo) -> str:
+    """What a field accepts, in words, for errors."""
+    kind, _ = base_type(field)
+    limits = range_text(field)
+    if limits is not None:
+        return ("an integer from " if kind is int else "a number from ") + limits
+    values = choice_values(field)
+    if values is not None:
+        return "one of " + ", ".join(values)
     if isinstance(kind, type) and issubclass(kind, BaseModel):
         return "a mapping"
     extra = field.json_schema_extra

@@ -305,6 +305,7 @@ def rows(runs: Runs) -> list[Row]:
 def render(runs: Runs) -> str:
     from extproc.bench.report import markdown_table
 
+    found = rows(runs)
     table_rows = [
         [
             row.measure,
@@ -314,13 +315,13 @@ def render(runs: Runs) -> str:
             {True: "yes", False: "**no**", None: ""}[row.met],
             ", ".join(f"[{name}]({name}.md)" for name in row.reports),
         ]
-        for row in rows(runs)
+        for row in found
     ]
     table = markdown_table(
         ["measure", "target", "ours (PREFIX_AWARE, defaults)", "best peer", "target met", "report"],
         table_rows,
     )
-    judged = [row for row in rows(runs) if row.met is not None]
+    judged = [row for row in found if row.met is not None]
     met = sum(bool(row.met) for row in judged)
     reports = sorted({"reliability" if name.startswith("reliability-") else name for name in runs})
     machines = sorted(
