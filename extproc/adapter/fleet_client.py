@@ -84,9 +84,10 @@ class FleetClient:
             await call.write(self._request())
             version = ""
             while True:
-                response = await call.read()
-                if response is grpc.aio.EOF:
+                message = await call.read()
+                if message is grpc.aio.EOF:
                     raise StreamEnded("the control plane closed the stream")
+                response: discovery_pb2.DiscoveryResponse = message
                 try:
                     self.apply(response)
                 except (SnapshotError, ValueError) as error:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    ProcessingRequest,
+    ProcessingResponse,
+)
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from extproc.picker.decide import Decision
 
-ProcessingRequest = ext_proc.ProcessingRequest
-ProcessingResponse = ext_proc.ProcessingResponse
+__all__ = ["ProcessingRequest", "ProcessingResponse"]
 
 # The header an ORIGINAL_DST cluster reads, and the metadata an override_host policy reads.
 TARGET_HEADER = "x-target-host"

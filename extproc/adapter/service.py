@@ -43,7 +43,7 @@ class ExternalProcessor:
     async def process(
         self,
         requests: AsyncIterator[messages.ProcessingRequest],
-        context: grpc.aio.ServicerContext,
+        context: grpc.aio.ServicerContext[messages.ProcessingRequest, messages.ProcessingResponse],
     ) -> AsyncIterator[messages.ProcessingResponse]:
         stream = RequestStream(self.router)
         metrics.STREAMS.inc()
@@ -90,12 +90,16 @@ class HealthService(health.aio.HealthServicer):
         self._checked = asyncio.Event()
 
     async def Check(
-        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+        self,
+        request: health_pb2.HealthCheckRequest,
+        context: grpc.aio.ServicerContext[
+            health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse
+        ],
     ) -> health_pb2.HealthCheckResponse:
         response = await super().Check(request, context)
         self.last_check = time.monotonic()
         self._checked.set()
-        return response  # type: ignore[no-any-return]
+        return response
 
     async def drain_notice(self, timeout_s: float = DRAIN_NOTICE_SECONDS) -> None:
         """After ``enter_graceful_shutdown``: wait for the next check (which reports

@@ -36,7 +36,8 @@ Runs = Mapping[str, dict[str, Any]]
 
 
 def _result(run: dict[str, Any], path: str) -> dict[str, Any] | None:
-    for result in run["results"]:
+    results: list[dict[str, Any]] = run["results"]
+    for result in results:
         if result["path"] == path and not result.get("skipped"):
             return result
     return None
@@ -50,11 +51,11 @@ def _ttft_percentile(result: dict[str, Any], q: float) -> float:
         for o in result["outcomes"]
         if o["status"] == 200 and not o.get("error") and o.get("ttft_s")
     )
-    return values[min(len(values) - 1, int(q * len(values)))] if values else math.nan
+    return float(values[min(len(values) - 1, int(q * len(values)))]) if values else math.nan
 
 
 def _max_share(result: dict[str, Any]) -> float:
-    return max(result["shares"].values())
+    return float(max(result["shares"].values()))
 
 
 def _best(

@@ -100,7 +100,8 @@ def simulate(
         for replica in range(replicas)
     ]
     hosts = HostSet.of(addresses)
-    ending: list[tuple[float, int, Any]] = []  # (end time, sequence, decision)
+    # (end time, sequence, decision, host)
+    ending: list[tuple[float, int, Any, str]] = []
     served: Counter[str] = Counter()
     outcomes: Counter[str] = Counter()
     queries = hits = 0

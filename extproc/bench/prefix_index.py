@@ -28,7 +28,7 @@ from typing import Any
 from extproc.adapter.routing import load_policy
 from extproc.bench import report
 from extproc.bench.offline import SESSION_HASH, OfflineFleet, simulate
-from extproc.bench.workloads import WorkloadSpec, generate
+from extproc.bench.workloads import WorkloadName, WorkloadSpec, generate
 from extproc.config import RouterConfig
 from extproc.index.popularity import PrefixPopularity, heat_of
 from extproc.index.prefix import IndexSizing, PrefixIndex
@@ -38,7 +38,7 @@ from extproc.picker.hosts import HostSet
 
 BLOCK_SIZES = (128, 256, 512, 1024)
 # (workload, rate) pairs of the quality sweep.
-QUALITY_WORKLOADS = (
+QUALITY_WORKLOADS: tuple[tuple[WorkloadName, float], ...] = (
     ("long-context", 4.0),
     ("long-context", 16.0),
     ("long-context-short-prefix", 16.0),
@@ -157,7 +157,7 @@ def bytes_per_block(block_bytes: int = 512, blocks: int = 200_000) -> float:
 
 def measure_quality(options: PrefixIndexOptions) -> list[QualityResult]:
     fleet = OfflineFleet()
-    results = []
+    results: list[QualityResult] = []
     for workload, rate in QUALITY_WORKLOADS:
         # Conversations run three times as long: their turns come seconds apart.
         duration = options.quality_duration_s * (3 if workload == "conversations" else 1)

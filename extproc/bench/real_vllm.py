@@ -38,7 +38,7 @@ from extproc.bench import report
 from extproc.bench.counters import prefix_counters
 from extproc.bench.probes import wait_for_idle_pressure
 from extproc.stack.local import LocalStack, StackSpec
-from extproc.stack.processes import free_port
+from extproc.stack.processes import ManagedProcess, free_port
 from extproc.stack.vllm import VllmOptions, make_model, start_vllm, vllm_python
 
 log = structlog.get_logger("bench")
@@ -302,7 +302,9 @@ def run_path(stack: LocalStack, scenario: str, path: str, options: RealVllmOptio
 
 
 @contextmanager
-def real_vllm_stack(options: RealVllmOptions, work: Path) -> Iterator[tuple[LocalStack, list]]:
+def real_vllm_stack(
+    options: RealVllmOptions, work: Path
+) -> Iterator[tuple[LocalStack, list[ManagedProcess]]]:
     """Real vLLM instances on 127.0.0.21+ behind the full stack; everything stops after."""
     python = vllm_python()
     model = make_model(python, work / "model", options.model_shape)

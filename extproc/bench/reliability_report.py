@@ -80,7 +80,7 @@ def _state_is_idle(state: dict[str, Any], backends: int) -> bool:
     state within its bounds."""
     index_ok = state.get("index_blocks", 0) <= state.get("index_capacity_blocks", 0)
     popularity_ok = state.get("popularity_keys", 0) <= 2 * POPULARITY_MAX_KEYS
-    return (
+    return bool(
         state["open_streams"] == 0
         and state["in_flight_total"] == 0
         and state["in_flight_series"] == 0

@@ -14,6 +14,7 @@ the single router at its capacity.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import shutil
@@ -105,8 +106,12 @@ def _pid(process: ManagedProcess) -> int:
     return process.popen.pid
 
 
+def _knows_hosts(metrics_url: str, count: int) -> bool:
+    return probes.total(probes.scrape(metrics_url), "prefix_router_hosts") == count
+
+
 def _kept_up(row: dict[str, Any], options: SaturationOptions) -> bool:
-    return row["errors"] == 0 and row["achieved_rps"] >= options.min_achieved * row["rate"]
+    return bool(row["errors"] == 0 and row["achieved_rps"] >= options.min_achieved * row["rate"])
 
 
 def _sustained(row: dict[str, Any], options: SaturationOptions) -> bool:
@@ -254,9 +259,7 @@ def measure(options: SaturationOptions) -> SaturationResult:
             metrics_urls = [f"http://127.0.0.1:{ports[2 * n + 1]}/metrics" for n in range(2)]
             for router, url in zip(routers, metrics_urls, strict=True):
                 wait_until(
-                    lambda u=url: (
-                        probes.total(probes.scrape(u), "prefix_router_hosts") == options.backends
-                    ),
+                    functools.partial(_knows_hosts, url, options.backends),
                     30.0,
                     f"{router.name} to know the fleet",
                     router,
@@ -339,7 +342,7 @@ def _ladder(
         baseline_p99 = report.median(s.p99_ms for s, _ in samples[BASELINE])
         for path in paths:
             runs = samples[path]
-            row = {
+            row: dict[str, Any] = {
                 "rate": rate,
                 "path": path,
                 "achieved_rps": report.median(s.requests_per_s for s, _ in runs),

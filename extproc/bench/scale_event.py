@@ -387,7 +387,7 @@ def render(data: dict[str, Any]) -> str:
         ScalePathResult(
             r["path"],
             [RequestOutcome(**o) for o in r["outcomes"]],
-            [tuple(w) for w in r["windows"]],  # type: ignore[misc]
+            [tuple(w) for w in r["windows"]],
             r["hit_rate"],
             [EventResult(**e) for e in r["events"]],
         )

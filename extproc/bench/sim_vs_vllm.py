@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
@@ -95,11 +95,14 @@ async def _counters(client: httpx.AsyncClient, url: str) -> tuple[float, float]:
     return load.prefix_cache_queries, load.prefix_cache_hits
 
 
+PromptT = TypeVar("PromptT")
+
+
 def _delta(after: tuple[float, float], before: tuple[float, float]) -> tuple[int, int]:
     return round(after[0] - before[0]), round(after[1] - before[1])
 
 
-async def per_request_counts(url: str, bodies: list[dict]) -> list[tuple[int, int]]:
+async def per_request_counts(url: str, bodies: list[dict[str, Any]]) -> list[tuple[int, int]]:
     """(queries, hits) that each request added, one request at a time."""
     deltas = []
     async with httpx.AsyncClient(timeout=120) as client:
@@ -117,7 +120,7 @@ SYSTEM_TOKENS = 1500
 TURNS = ((60, 300), (45, 200), (100, 257), (30, 129), (70, 64))
 
 
-async def converse(url: str, as_engine_sees) -> list[tuple[int, int]]:  # type: ignore[no-untyped-def]
+async def converse(url: str, as_engine_sees: EnginePrompts[PromptT]) -> list[tuple[int, int]]:
     """(queries, hits) each turn added; ``as_engine_sees`` turns (ids, reply) into the
     next prompt's piece and the request body."""
     rng = random.Random(3)
@@ -139,17 +142,28 @@ async def converse(url: str, as_engine_sees) -> list[tuple[int, int]]:  # type: 
     return deltas
 
 
+class EnginePrompts(Protocol[PromptT]):
+    """How an engine is sent a growing conversation, and how its answer extends it."""
+
+    def start(self, ids: list[int]) -> PromptT: ...
+
+    def extend(self, prompt: PromptT, piece: list[int] | PromptT) -> PromptT: ...
+
+    def body(self, prompt: PromptT, reply: int) -> dict[str, Any]: ...
+
+    def output(self, answer: dict[str, Any]) -> PromptT: ...
+
+
 class VllmTokens:
     """vLLM is sent token ids and answers with its own (ignore_eos: exactly max_tokens)."""
 
-    start = staticmethod(list)
+    def start(self, ids: list[int]) -> list[int]:
+        return list(ids)
 
-    @staticmethod
-    def extend(prompt, piece):  # type: ignore[no-untyped-def]
+    def extend(self, prompt: list[int], piece: list[int]) -> list[int]:
         return prompt + list(piece)
 
-    @staticmethod
-    def body(prompt, reply: int) -> dict:  # type: ignore[no-untyped-def]
+    def body(self, prompt: list[int], reply: int) -> dict[str, Any]:
         return {
             "model": "tiny",
             "prompt": prompt,
@@ -158,29 +172,24 @@ class VllmTokens:
             "return_token_ids": True,
         }
 
-    @staticmethod
-    def output(answer: dict) -> list[int]:
-        return answer["choices"][0]["token_ids"]
+    def output(self, answer: dict[str, Any]) -> list[int]:
+        return [int(token) for token in answer["choices"][0]["token_ids"]]
 
 
 class SimText:
     """The simulator is sent the same ids as text and answers with its own text."""
 
-    @staticmethod
-    def start(ids: list[int]) -> str:
+    def start(self, ids: list[int]) -> str:
         return as_text(ids)
 
-    @staticmethod
-    def extend(prompt, piece):  # type: ignore[no-untyped-def]
+    def extend(self, prompt: str, piece: list[int] | str) -> str:
         return prompt + (piece if isinstance(piece, str) else as_text(piece))
 
-    @staticmethod
-    def body(prompt, reply: int) -> dict:  # type: ignore[no-untyped-def]
+    def body(self, prompt: str, reply: int) -> dict[str, Any]:
         return {"model": "sim-model", "prompt": prompt, "max_tokens": reply}
 
-    @staticmethod
-    def output(answer: dict) -> str:
-        return answer["choices"][0]["text"]
+    def output(self, answer: dict[str, Any]) -> str:
+        return str(answer["choices"][0]["text"])
 
 
 @dataclass
@@ -211,9 +220,9 @@ async def compare_documents(vllm_url: str) -> Comparison:
 async def compare_conversation(vllm_url: str) -> Comparison:
     async with httpx.AsyncClient(timeout=30) as client:
         (await client.post(f"{vllm_url}/reset_prefix_cache")).raise_for_status()
-    real = await converse(vllm_url, VllmTokens)
+    real = await converse(vllm_url, VllmTokens())
     async with simulated_instance() as sim_url:
-        simulated = await converse(sim_url, SimText)
+        simulated = await converse(sim_url, SimText())
     labels = [
         f"turn {n + 1}: {user} new + {reply} generated" for n, (user, reply) in enumerate(TURNS)
     ]

@@ -161,7 +161,9 @@ def state_sizes(stack: LocalStack, control_plane_metrics: str) -> dict[str, floa
     }
 
 
-def _drain(stack: LocalStack, control_plane_metrics: str, timeout_s: float = 10.0) -> dict:
+def _drain(
+    stack: LocalStack, control_plane_metrics: str, timeout_s: float = 10.0
+) -> dict[str, Any]:
     """State sizes once the last requests have finished (or after ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
     state = state_sizes(stack, control_plane_metrics)

@@ -15,7 +15,7 @@ import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from extproc.sim.responses import reply_text
 
@@ -33,7 +33,7 @@ WorkloadName = Literal[
 @dataclass(frozen=True)
 class BenchRequest:
     at_s: float  # open-loop arrival time, seconds from the start
-    body: dict  # an OpenAI /v1/chat/completions body
+    body: dict[str, Any]  # an OpenAI /v1/chat/completions body
     headers: dict[str, str]
     group: str  # the shared prefix / conversation / tenant it belongs to
     prompt_tokens: int  # approximate, 4 characters per token
@@ -143,7 +143,7 @@ def _zipf_cum_weights(count: int, s: float) -> list[float]:
 
 def zipf_share(rank: int, count: int, s: float) -> float:
     """Expected traffic share of the item of 1-based ``rank`` among ``count`` (for analysis)."""
-    return rank**-s / _zipf_cum_weights(count, s)[-1]
+    return float(rank**-s / _zipf_cum_weights(count, s)[-1])
 
 
 def _truncated_geometric_cum_weights(mean: float, maximum: int) -> list[float]:
@@ -179,13 +179,18 @@ def _lognormal_tokens(rng: random.Random, mean: float, sigma: float, maximum: in
 def _request(
     at_s: float,
     model: str,
-    messages: list[dict],
+    messages: list[dict[str, str]],
     max_tokens: int,
     group: str,
     extra_headers: dict[str, str] | None = None,
-    extra_body: dict | None = None,
+    extra_body: dict[str, Any] | None = None,
 ) -> BenchRequest:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True}
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stream": True,
+    }
     body.update(extra_body or {})
     headers = {SESSION_HEADER: group, **(extra_headers or {})}
     prompt_chars = sum(len(message["content"]) for message in messages)

@@ -51,7 +51,8 @@ class ProbeResult:
     """The outcome of one probe of one host."""
 
     ok: bool
-    models: tuple[str, ...] = ()
+    # None: /health answered but the model listing did not, so the models are unknown.
+    models: tuple[str, ...] | None = ()
     error: str | None = None
 
 
@@ -63,7 +64,8 @@ def next_health(previous: HostHealth, probe: ProbeResult, policy: HealthPolicy) 
             healthy=previous.healthy or successes >= policy.healthy_threshold,
             consecutive_failures=0,
             consecutive_successes=successes,
-            models=probe.models,
+            # A listing that failed once must not strip a serving host of its models.
+            models=previous.models if probe.models is None else probe.models,
             last_error=None,
         )
     failures = previous.consecutive_failures + 1
@@ -121,7 +123,7 @@ async def probe(session: aiohttp.ClientSession, address: str, timeout_s: float) 
     except Exception as exc:
         # /health is the liveness signal; a host without a model listing still serves.
         log.debug("health.models_unavailable", address=address, error=_describe(exc))
-        models = ()
+        return ProbeResult(True, models=None)
     return ProbeResult(True, models=models)
 
 

@@ -13,16 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import structlog
-from envoy.service.discovery.v3 import discovery_pb2
+from envoy.service.discovery.v3.discovery_pb2 import DiscoveryRequest, DiscoveryResponse
+
+__all__ = ["DiscoveryRequest", "DiscoveryResponse", "XdsStream"]
 
 from extproc import metrics
 from extproc.control.resources import CLA_TYPE_URL, to_any
 from extproc.control.snapshot import SnapshotStore, content_version
 
 log = structlog.get_logger("xds")
-
-DiscoveryRequest = discovery_pb2.DiscoveryRequest
-DiscoveryResponse = discovery_pb2.DiscoveryResponse
 
 
 @dataclass

@@ -25,7 +25,9 @@ class XdsServer:
         self._default_resources = default_resources
 
     async def stream(
-        self, requests: AsyncIterator[DiscoveryRequest], context: grpc.aio.ServicerContext
+        self,
+        requests: AsyncIterator[DiscoveryRequest],
+        context: grpc.aio.ServicerContext[DiscoveryRequest, DiscoveryResponse],
     ) -> AsyncIterator[DiscoveryResponse]:
         protocol = XdsStream(self._store, self._default_resources)
         # One queue, one consumer: requests and store changes are handled in order, so the

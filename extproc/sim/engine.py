@@ -82,8 +82,9 @@ RequestState = Literal["arriving", "waiting", "running", "finished", "aborted"]
 
 
 def _require_duration(name: str, value: object) -> None:
-    valid = isinstance(value, int | float) and not isinstance(value, bool)
-    if not valid or not math.isfinite(value) or value < 0:  # type: ignore[arg-type]
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    if not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
@@ -241,7 +242,7 @@ class LocalStack:
         launched = [self.launch_sim(h, p) for h, p in self.spec.sim_backends]
         for sim, (host, port) in zip(launched, self.spec.sim_backends, strict=True):
             wait_until(
-                lambda h=host, p=port: http_ok(f"http://{h}:{p}/health"),
+                functools.partial(http_ok, f"http://{host}:{port}/health"),
                 READY_TIMEOUT_S,
                 f"simulator {host}:{port}",
                 sim,

@@ -7,6 +7,7 @@ vllm.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 from dataclasses import dataclass, field
@@ -124,7 +125,7 @@ def start_vllm(
     try:
         for process, (host, port) in zip(processes, addresses, strict=True):
             wait_until(
-                lambda h=host, p=port: http_ok(f"http://{h}:{p}/health"),
+                functools.partial(http_ok, f"http://{host}:{port}/health"),
                 ready_timeout_s,
                 f"vLLM on {host}:{port}",
                 process,

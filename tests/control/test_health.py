@@ -125,6 +125,16 @@ def test_a_success_resets_failures_and_clears_the_error() -> None:
     assert next_health(state, FAIL, policy).healthy
 
 
+def test_a_failed_model_listing_keeps_the_last_known_models() -> None:
+    policy = HealthPolicy()
+    state = HostHealth(healthy=True, consecutive_successes=3, models=("m",))
+    state = next_health(state, ProbeResult(True, models=None), policy)
+    assert state.healthy
+    assert state.models == ("m",)
+    # A host never listed stays without models until a listing answers.
+    assert next_health(HostHealth(), ProbeResult(True, models=None), policy).models == ()
+
+
 def test_a_failure_resets_successes_of_an_unhealthy_host() -> None:
     policy = HealthPolicy(healthy_threshold=2)
     state = next_health(HostHealth(), OK, policy)
@@ -221,11 +231,11 @@ async def test_probe_needs_a_2xx_health() -> None:
     assert result == ProbeResult(False, error="/health answered HTTP 503")
 
 
-async def test_probe_without_a_model_listing_is_ok_with_no_models() -> None:
+async def test_probe_without_a_model_listing_is_ok_with_models_unknown() -> None:
     app = web.Application()
     app.router.add_get("/health", respond_with(200))
     async with app_server(app, SIM_HOST) as address, aiohttp.ClientSession() as session:
-        assert await probe(session, address, timeout_s=2) == ProbeResult(True, models=())
+        assert await probe(session, address, timeout_s=2) == ProbeResult(True, models=None)
 
 
 async def test_probe_of_a_hung_host_times_out() -> None:
