@@ -38,6 +38,15 @@ __all__ = ["ENV_PREFIX", "LOG_LEVELS", "PrefixMatch", "RouterConfig", "load_conf
 ENV_PREFIX = "PREFIX_ROUTER_"
 
 
+class StreamEnd(StrEnum):
+    """When the router ends a request's ext_proc stream."""
+
+    # Envoy ends it with the HTTP response: in-flight counts are exact.
+    RESPONSE = "response"
+    # The router closes it once it has answered: Envoy holds nothing for a long response.
+    DECISION = "decision"
+
+
 class PrefixMatch(StrEnum):
     """How PREFIX_AWARE matches prompts to hosts."""
 
@@ -171,6 +180,15 @@ class RouterConfig(FrozenModel):
         2.0,
         ge=0.1,
         le=600,
+    )
+    stream_end: StreamEnd = described(
+        "When each ext_proc stream ends. response: Envoy keeps it open until the HTTP "
+        "response ends, and this router counts the request in flight until then. "
+        "decision: the router closes it as soon as it has answered, so Envoy holds no "
+        "stream or circuit-breaker slot through a long LLM response; a host's load is "
+        "then the load feed's running + waiting plus this router's decisions the feed "
+        "cannot show yet (each for at most load_feed_max_age_s).",
+        StreamEnd.RESPONSE,
     )
     failover_hosts: StrictInt = described(
         "Extra hosts in the target list, tried in turn by Envoy's retries (override-host mode).",

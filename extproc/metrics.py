@@ -5,7 +5,32 @@ Every fallback, overflow and protocol error increments one of these.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from collections.abc import Iterator, Mapping
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+
+class PerHostGauge(Collector):
+    """A gauge per host read from a live mapping when scraped: the hot path only updates
+    its own dict, instead of creating and removing a labelled child per request."""
+
+    def __init__(self, name: str, documentation: str) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._source: Mapping[str, float] = {}
+        REGISTRY.register(self)
+
+    def track(self, source: Mapping[str, float]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self._name, self._documentation, labels=["host"])
+        for host, value in list(self._source.items()):
+            family.add_metric([host], value)
+        yield family
+
 
 DECISIONS = Counter(
     "prefix_router_decisions",
@@ -17,10 +42,24 @@ OVERFLOWS = Counter(
     "Requests whose key's first host was at the concurrency threshold",
     ["strategy"],
 )
-IN_FLIGHT = Gauge(
+IN_FLIGHT = PerHostGauge(
     "prefix_router_in_flight_requests",
     "Requests this router has sent to each host that have not finished yet (no series: 0)",
-    ["host"],
+)
+COMPLETIONS = Counter(
+    "prefix_router_completions",
+    "Access-log entries of requests whose streams ended at the decision: completed (this "
+    "router's ticket), foreign (another router's, or none), expired (never logged)",
+    ["result"],
+)
+ACCESS_LOG_STREAMS = Gauge(
+    "prefix_router_access_log_streams",
+    "Envoy access-log streams open to this router (completions are exact while one is)",
+)
+UNSEEN_DECISIONS = Gauge(
+    "prefix_router_unseen_decisions",
+    "Decisions whose ext_proc streams ended with them, made while no access-log stream was "
+    "open, that the load feed may not show yet; they count toward their hosts' loads",
 )
 DECISION_SECONDS = Histogram(
     "prefix_router_decision_seconds",

@@ -15,22 +15,20 @@ from extproc import metrics
 class InFlight:
     def __init__(self) -> None:
         self._counts: dict[str, int] = {}
+        # The gauge reads these counts when scraped (the latest InFlight made is served).
+        metrics.IN_FLIGHT.track(self._counts)
 
     def acquire(self, host: str) -> None:
-        count = self._counts.get(host, 0) + 1
-        self._counts[host] = count
-        metrics.IN_FLIGHT.labels(host).set(count)
+        self._counts[host] = self._counts.get(host, 0) + 1
 
     def release(self, host: str) -> None:
         count = self._counts.get(host, 0) - 1
         if count > 0:
             self._counts[host] = count
-            metrics.IN_FLIGHT.labels(host).set(count)
             return
         # Idle hosts have no series (absent means 0), so hosts that leave the fleet,
         # e.g. autoscaled ones with fresh addresses, leave nothing behind.
-        if self._counts.pop(host, None) is not None:
-            metrics.IN_FLIGHT.remove(host)
+        self._counts.pop(host, None)
 
     def snapshot(self) -> Mapping[str, int]:
         """A read-only view: the picker reads it, only acquire/release change it."""

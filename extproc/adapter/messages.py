@@ -11,6 +11,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from extproc.adapter.completions import TICKET_KEY
 from extproc.picker.decide import Decision
 
 __all__ = ["ProcessingRequest", "ProcessingResponse"]
@@ -46,26 +47,29 @@ def _routing_common(decision: Decision) -> ext_proc.CommonResponse:
     return common
 
 
-def _routing_metadata(decision: Decision) -> struct_pb2.Struct:
+def _routing_metadata(decision: Decision, ticket: str | None = None) -> struct_pb2.Struct:
     metadata = struct_pb2.Struct()
+    namespace = metadata.get_or_create_struct(LB_METADATA_NAMESPACE)
     # An ordered list: override_host tries the next entry on a retry.
-    metadata.get_or_create_struct(LB_METADATA_NAMESPACE)[LB_METADATA_KEY] = ",".join(
-        decision.targets
-    )
+    namespace[LB_METADATA_KEY] = ",".join(decision.targets)
+    if ticket is not None:
+        # Envoy's access log hands it back when the request completes.
+        namespace[TICKET_KEY] = ticket
     return metadata
 
 
-def route_on_headers(decision: Decision) -> ProcessingResponse:
-    """Headers response carrying the decision (requests with no body)."""
-    response = ProcessingResponse(dynamic_metadata=_routing_metadata(decision))
+def route_on_headers(decision: Decision, ticket: str | None = None) -> ProcessingResponse:
+    """Headers response carrying the decision: requests with no body, and STREAMED
+    bodies, whose headers response waits for the body."""
+    response = ProcessingResponse(dynamic_metadata=_routing_metadata(decision, ticket))
     response.request_headers.response.CopyFrom(_routing_common(decision))
     return response
 
 
-def route_on_body(decision: Decision) -> ProcessingResponse:
+def route_on_body(decision: Decision, ticket: str | None = None) -> ProcessingResponse:
     """Body response carrying the decision: the header for original-dst, metadata for
     override-host. Emitting both lets one router serve either Envoy bootstrap."""
-    response = ProcessingResponse(dynamic_metadata=_routing_metadata(decision))
+    response = ProcessingResponse(dynamic_metadata=_routing_metadata(decision, ticket))
     response.request_body.response.CopyFrom(_routing_common(decision))
     return response
 

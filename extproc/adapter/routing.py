@@ -14,7 +14,9 @@ from collections.abc import Callable, Mapping
 import structlog
 
 from extproc import metrics
+from extproc.adapter.completions import Completions
 from extproc.adapter.inflight import InFlight
+from extproc.adapter.unseen import UnseenDecisions
 from extproc.config import PrefixMatch, RouterConfig
 from extproc.control.model import HostLoad
 from extproc.index.popularity import PrefixPopularity, heat_of
@@ -28,6 +30,9 @@ from extproc.picker.placement import key_digest
 
 log = structlog.get_logger("router")
 
+# A handed-off request whose completion Envoy never logged stops counting after this.
+COMPLETION_MAX_AGE_S = 900.0
+
 
 class Router:
     def __init__(
@@ -35,16 +40,23 @@ class Router:
         config: RouterConfig,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._config = config
         self._policy = load_policy(config)
         self.hosts = HostSet.of(config.hosts)
         self.in_flight = InFlight()
+        # Decisions whose streams ended with them (STREAMED bodies, stream_end: decision),
+        # until the load feed shows them.
+        self.unseen = UnseenDecisions(config.load_feed_max_age_s)
+        # The same, counted exactly while Envoy's access log reports completions.
+        self.completions = Completions(COMPLETION_MAX_AGE_S)
         self.index = PrefixIndex(index_sizing(config))
         self._evicted_counted = dict(self.index.evicted)
         self.popularity = PrefixPopularity()
         self._rng = rng or random.Random()
         self._clock = clock
+        self._wall_clock = wall_clock
         self._feed: Mapping[str, HostLoad] = {}
         self._feed_received_at: float | None = None
         # Set once there is a host set to place over: at start with static hosts, or on
@@ -54,6 +66,8 @@ class Router:
             self.ready.set()
         metrics.HOSTS.set(len(self.hosts))
         metrics.FEED_AGE.set_function(self.feed_age)
+        metrics.UNSEEN_DECISIONS.set_function(self.unseen.total)
+        metrics.ACCESS_LOG_STREAMS.set_function(lambda: self.completions.streams)
         metrics.INDEX_BLOCKS.set_function(lambda: len(self.index))
         metrics.POPULARITY_KEYS.set_function(lambda: len(self.popularity))
         metrics.INDEX_CAPACITY.set_function(
@@ -69,6 +83,7 @@ class Router:
         """A new config (hot reload): the index starts afresh if what it holds changed."""
         old, self._config = self._config, config
         self._policy = load_policy(config)
+        self.unseen.max_age_s = config.load_feed_max_age_s
         if _index_settings(old) != _index_settings(config):
             self.index.clear()
             self.popularity.clear()
@@ -103,7 +118,11 @@ class Router:
         self.index.set_cache_sizes({a: load.cache_capacity_tokens for a, load in loads.items()})
         self._count_evictions()
         self._feed = loads
-        self._feed_received_at = self._clock()
+        now = self._feed_received_at = self._clock()
+        # Each host's scrape start, in this process's clock: the feed stamps wall time.
+        wall_now = self._wall_clock()
+        for address, load in loads.items():
+            self.unseen.scraped(address, now - max(0.0, wall_now - load.scraped_at))
 
     def feed_age(self) -> float:
         if self._feed_received_at is None:
@@ -115,18 +134,30 @@ class Router:
 
         The feed counts every router's requests but is up to one scrape old; the local
         count is exact for this router's own. The larger of the two is the safer bound.
+        Decisions whose streams closed at once count on top of the feed until it shows
+        them; without a fresh feed they count on top of the local figure.
         """
         local = self.in_flight.snapshot()
-        if strategy is Strategy.RANDOM or self.config.control_plane is None:
+        if strategy is Strategy.RANDOM:
             return local
-        if self.feed_age() > self.config.load_feed_max_age_s:
+        unseen = self.unseen.counts(self._clock())
+        fresh = self.config.control_plane is not None
+        if fresh and self.feed_age() > self.config.load_feed_max_age_s:
             metrics.FEED_STALE.inc()
-            return local
+            fresh = False
+        if not fresh:
+            if not unseen:
+                return local
+            return {
+                address: local.get(address, 0) + unseen.get(address, 0)
+                for address in local.keys() | unseen.keys()
+            }
         feed = self._feed
         return {
             host.address: max(
                 local.get(host.address, 0),
-                feed[host.address].outstanding if host.address in feed else 0,
+                (feed[host.address].outstanding if host.address in feed else 0)
+                + unseen.get(host.address, 0),
             )
             for host in self.hosts.hosts
         }
@@ -135,7 +166,8 @@ class Router:
         """Decide where one request goes and count it in flight on its primary host.
 
         Raises NoHostsError when the host set is empty. The caller must ``finish`` the
-        decision when the request's stream ends.
+        decision when the request's stream ends, or ``hand_off`` it to the load feed
+        when the stream closes first.
         """
         started = time.perf_counter()
         config = self.config
@@ -222,6 +254,30 @@ class Router:
 
     def finish(self, decision: Decision) -> None:
         self.in_flight.release(decision.primary)
+
+    def hand_off(self, decision: Decision) -> str | None:
+        """The decision's stream closes before its request ends.
+
+        With Envoy's access log connected, the request stays in flight until its log
+        entry brings back the returned ticket (``complete``). Without it, the load feed
+        carries the request, and until the feed can show it, the unseen count."""
+        now = self._clock()
+        if self.completions.available:
+            for host in self.completions.expire(now):
+                self.in_flight.release(host)
+                metrics.COMPLETIONS.labels("expired").inc()
+            return self.completions.issue(decision.primary, now)
+        self.in_flight.release(decision.primary)
+        self.unseen.add(decision.primary, now)
+        return None
+
+    def complete(self, ticket: str) -> bool:
+        """Envoy logged the request of ``ticket`` done; False if it is not this router's."""
+        host = self.completions.complete(ticket)
+        if host is None:
+            return False
+        self.in_flight.release(host)
+        return True
 
 
 def load_policy(config: RouterConfig) -> LoadPolicy:

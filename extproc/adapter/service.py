@@ -17,10 +17,11 @@ from prometheus_client import start_http_server
 
 from extproc import metrics
 from extproc.adapter import messages
+from extproc.adapter.access_log import AccessLogSink
 from extproc.adapter.fleet_client import FleetClient
 from extproc.adapter.phases import RequestStream
 from extproc.adapter.routing import Router
-from extproc.config import RouterConfig, load_config
+from extproc.config import RouterConfig, StreamEnd, load_config
 from extproc.errors import ConfigError
 from extproc.filewatch import FileWatcher
 from extproc.picker.hosts import HostSet
@@ -45,21 +46,26 @@ class ExternalProcessor:
         requests: AsyncIterator[messages.ProcessingRequest],
         context: grpc.aio.ServicerContext[messages.ProcessingRequest, messages.ProcessingResponse],
     ) -> AsyncIterator[messages.ProcessingResponse]:
-        stream = RequestStream(self.router)
+        end_at_decision = self.router.config.stream_end is StreamEnd.DECISION
+        stream = RequestStream(self.router, end_at_decision)
         metrics.STREAMS.inc()
         try:
             async for request in requests:
                 try:
-                    response = stream.on_message(request)
+                    responses = stream.on_message(request)
                 except Exception:  # a bug must cost one request, not the router
                     metrics.PROTOCOL_ERRORS.labels("internal_error").inc()
                     log.exception("internal_error")
-                    response = messages.unavailable("prefix_router_internal_error")
-                if response is not None:
+                    responses = (messages.unavailable("prefix_router_internal_error"),)
+                for response in responses:
                     yield response
+                if stream.ended:
+                    # An OK close: Envoy goes on without the router and forwards any body
+                    # it still holds.
+                    break
         finally:
-            # Runs when the HTTP request completes or the client aborts: Envoy ends the
-            # stream then, so the in-flight slot is released exactly once.
+            # Runs when the HTTP request completes, the client aborts or the router ends
+            # the stream, so the in-flight slot is released exactly once.
             stream.close()
             metrics.STREAMS.dec()
 
@@ -178,7 +184,10 @@ async def serve(
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ]
     )
-    server.add_generic_rpc_handlers((ExternalProcessor(router).handler(),))
+    stop = stop or asyncio.Event()
+    server.add_generic_rpc_handlers(
+        (ExternalProcessor(router).handler(), AccessLogSink(router, stop).handler())
+    )
     health_servicer = HealthService()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(config.listen)
@@ -186,7 +195,6 @@ async def serve(
         raise OSError(f"cannot listen on {config.listen}")
     metrics_host, _, metrics_port = config.metrics_listen.rpartition(":")
     metrics_server, metrics_thread = start_http_server(int(metrics_port), addr=metrics_host)
-    stop = stop or asyncio.Event()
     background: list[asyncio.Task[None]] = []
     if config.control_plane is not None:
         client = FleetClient(router, config.control_plane, config.cluster)

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from enum import Enum
 from typing import Any, TypeAlias
 
+from extproc.config import StreamEnd
 from extproc.picker.decide import Strategy
 from extproc.picker.hosts import parse_host_address
 from extproc.picker.keys import KeyMode
@@ -87,6 +88,13 @@ def add_routing_flags(parser: argparse.ArgumentParser) -> None:
         choices=choices(KeyMode),
         help="openai: message text of the JSON body; native: raw body bytes (default openai)",
     )
+    group.add_argument(
+        "--stream-end",
+        choices=choices(StreamEnd),
+        help="response: Envoy keeps each ext_proc stream until the HTTP response ends; "
+        "decision: the router closes it once it has answered, and loads come from the "
+        "load feed (default response)",
+    )
 
 
 def routing_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -95,4 +103,5 @@ def routing_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "prefix_length": args.prefix_length,
         "concurrency_threshold": args.concurrency_threshold,
         "key_mode": args.key_mode,
+        "stream_end": args.stream_end,
     }

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from extproc.cli.common import Commands, choices, ip_port, usage_error
-from extproc.stack.bootstrap import MODES, BootstrapParams
+from extproc.stack.bootstrap import BODY_MODES, MODES, BootstrapParams
 
 DESCRIPTION = (
     "Print an Envoy bootstrap. The backend cluster's hosts come from one place per mode: in "
@@ -27,6 +27,14 @@ def register(commands: Commands) -> None:
         choices=choices(MODES),
         default="override-host",
         help="how Envoy applies the router's choice (default override-host)",
+    )
+    parser.add_argument(
+        "--body-mode",
+        choices=choices(BODY_MODES),
+        default=BootstrapParams.body_mode,
+        help="buffered-partial: the router answers the headers, then decides on the body "
+        "(two round trips); streamed: Envoy sends the body without waiting and the "
+        "router's one answer carries the decision (default buffered-partial)",
     )
     parser.add_argument("--listen", type=ip_port, default=BootstrapParams.listen)
     parser.add_argument("--admin", type=ip_port, default=BootstrapParams.admin)
@@ -101,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         backends=tuple(args.backend) or BootstrapParams.backends,
         control_plane=None if args.static else args.control_plane or BootstrapParams.control_plane,
         upstream_host_header=not args.no_upstream_host_header,
+        body_mode=args.body_mode,
     )
     sys.stdout.write(render(params))
     return 0

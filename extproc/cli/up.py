@@ -23,7 +23,7 @@ from extproc.cli.common import (
     routing_overrides,
     usage_error,
 )
-from extproc.stack.bootstrap import MODES
+from extproc.stack.bootstrap import BODY_MODES, MODES
 
 if TYPE_CHECKING:
     from extproc.stack.local import LocalStack, StackSpec
@@ -67,6 +67,14 @@ def register(commands: Commands) -> None:
         choices=choices(MODES),
         default="override-host",
         help="how Envoy applies the choice (default override-host)",
+    )
+    parser.add_argument(
+        "--body-mode",
+        choices=choices(BODY_MODES),
+        default="buffered-partial",
+        help="how Envoy sends the body to the router: buffered-partial (two round trips) "
+        "or streamed (one; the router's answer to the headers carries the decision) "
+        "(default buffered-partial)",
     )
     sim = parser.add_argument_group("the simulated fleet (not with --backend)")
     sim.add_argument(
@@ -141,6 +149,7 @@ def stack_spec(args: argparse.Namespace) -> StackSpec:
         sim_backends=() if args.backend else simulated_backends(sim["backends"], sim["sim_port"]),
         router_settings=overrides,
         upstream_host_header=not args.no_upstream_host_header,
+        body_mode=args.body_mode,
         sim_args=("--ttft-ms", str(sim["sim_ttft_ms"]), "--itl-ms", str(sim["sim_itl_ms"])),
         work_dir=args.work_dir,
     )

@@ -54,11 +54,13 @@ class Fleet:
         store: SnapshotStore,
         config_path: Path | None = None,
         wall_clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.store = store
         self._config_watch = FileWatcher(config_path) if config_path else None
         self._wall_clock = wall_clock
+        self._clock = clock
         self._discovery = Discovery(sources_for(config))
         self.addresses: frozenset[str] = frozenset()
         health = config.health
@@ -110,12 +112,13 @@ class Fleet:
             metrics.CP_PROMPT_RATE.remove(address)
             metrics.CP_PLACEMENT_WEIGHT.remove(address)
         self._pressure_series = set(pressure) & set(self.healthy_addresses())
-        # Wall time, so the stamp means the same thing in every process that reads it.
-        now = self._wall_clock()
+        # Each scrape's start in wall time, so the stamp means the same thing in every
+        # process that reads it.
+        to_wall = self._wall_clock() - self._clock()
         stamped = {
             address: replace(
                 load,
-                scraped_at=now,
+                scraped_at=load.scraped_at + to_wall,
                 prompt_tokens_per_s=pressure[address][0],
                 placement_weight=pressure[address][1],
             )

@@ -125,7 +125,12 @@ async def scrape(
     timeout_s: float,
     clock: Callable[[], float] = time.monotonic,
 ) -> HostLoad:
-    """GET http://{address}/metrics within `timeout_s`; raises LoadFeedError on any failure."""
+    """GET http://{address}/metrics within `timeout_s`; raises LoadFeedError on any failure.
+
+    The load is stamped with the moment the request was sent: routers count their own
+    decisions made after it on top of it, since the scrape may not show them.
+    """
+    started = clock()
     try:
         async with (
             asyncio.timeout(timeout_s),
@@ -140,7 +145,7 @@ async def scrape(
         raise LoadFeedError(f"{address}/metrics timed out after {timeout_s} s") from exc
     except Exception as exc:
         raise LoadFeedError(f"{address}/metrics failed: {type(exc).__name__}: {exc}") from exc
-    return parse_vllm_metrics(text, scraped_at=clock())
+    return parse_vllm_metrics(text, scraped_at=started)
 
 
 class LoadScraper:

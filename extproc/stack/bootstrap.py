@@ -23,11 +23,18 @@ from extproc.adapter.messages import LB_METADATA_KEY, LB_METADATA_NAMESPACE, TAR
 
 Mode = Literal["override-host", "original-dst"]
 MODES: tuple[Mode, ...] = ("override-host", "original-dst")
+# How the request body reaches the router: buffered-partial, its first bytes in one message
+# after the headers are answered (two round trips); streamed, its chunks sent without
+# waiting for the headers response, which then carries the decision (one round trip).
+BodyMode = Literal["buffered-partial", "streamed"]
+BODY_MODES: tuple[BodyMode, ...] = ("buffered-partial", "streamed")
 
 # Headers a client might use to pick an upstream; all are removed before ext_proc runs.
 CLIENT_ROUTING_HEADERS = (TARGET_HEADER, "x-envoy-original-dst-host", LB_METADATA_KEY)
 BACKEND_CLUSTER = "vllm"
 ROUTER_CLUSTER = "prefix_router"
+# The routers again, one cluster each, for the access log that reports completions.
+COMPLETIONS_CLUSTER = "prefix_router_completions"
 XDS_CLUSTER = "xds"
 
 _TYPE = "type.googleapis.com/envoy."
@@ -53,6 +60,7 @@ class BootstrapParams:
     # overflows this limit while the router is deciding (the upstream then waits for the
     # rest forever), so it is set well above any realistic LLM request body.
     buffer_limit_bytes: int = 8 * 1024 * 1024
+    body_mode: BodyMode = "buffered-partial"
     message_timeout_ms: int = 500
     upstream_host_header: bool = True
     retries: int = 2
@@ -203,6 +211,7 @@ def _original_dst_cluster() -> dict[str, Any]:
 
 def _ext_proc_filter(params: BootstrapParams) -> dict[str, Any]:
     fail_open = params.mode == "override-host"
+    streamed = params.body_mode == "streamed"
     config: dict[str, Any] = {
         "@type": _TYPE + "extensions.filters.http.ext_proc.v3.ExternalProcessor",
         "grpc_service": {"envoy_grpc": {"cluster_name": ROUTER_CLUSTER}, "timeout": "1s"},
@@ -213,7 +222,7 @@ def _ext_proc_filter(params: BootstrapParams) -> dict[str, Any]:
         "processing_mode": {
             "request_header_mode": "SEND",
             "response_header_mode": "SKIP",
-            "request_body_mode": "BUFFERED_PARTIAL",
+            "request_body_mode": "STREAMED" if streamed else "BUFFERED_PARTIAL",
             "response_body_mode": "NONE",
             "request_trailer_mode": "SKIP",
             "response_trailer_mode": "SKIP",
@@ -221,9 +230,45 @@ def _ext_proc_filter(params: BootstrapParams) -> dict[str, Any]:
         # Without this, Envoy silently drops the router's envoy.lb metadata.
         "metadata_options": {"receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]}},
     }
+    if streamed:
+        # The router holds its headers response until it has read the body.
+        config["send_body_without_waiting_for_header_response"] = True
     if not fail_open:
         config["status_on_error"] = {"code": "ServiceUnavailable"}
     return {"name": "envoy.filters.http.ext_proc", "typed_config": config}
+
+
+def _completion_log_cluster(index: int, router: tuple[str, int]) -> dict[str, Any]:
+    name = f"{COMPLETIONS_CLUSTER}_{index}"
+    return {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "0.25s",
+        "typed_extension_protocol_options": _http2_options(),
+        "load_assignment": _endpoints(name, (router,)),
+    }
+
+
+def _completion_logs(params: BootstrapParams) -> list[dict[str, Any]]:
+    """One gRPC access log per router process: each must see its own requests complete
+    (their streams end at the decision), and a cluster of several would send each entry
+    to one of them only. A router ignores the others' tickets."""
+    return [
+        {
+            "name": "envoy.access_loggers.http_grpc",
+            "typed_config": {
+                "@type": _TYPE + "extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+                "common_config": {
+                    "log_name": "prefix_router_completions",
+                    "grpc_service": {"envoy_grpc": {"cluster_name": f"{COMPLETIONS_CLUSTER}_{i}"}},
+                    "transport_api_version": "V3",
+                    # A completion logged late counts the request in flight for longer.
+                    "buffer_flush_interval": "0.01s",
+                },
+            },
+        }
+        for i in range(len(params.routers))
+    ]
 
 
 def _strip_client_routing_headers() -> dict[str, Any]:
@@ -298,6 +343,11 @@ def build_bootstrap(params: BootstrapParams) -> dict[str, Any]:
             else {}
         ),
         "route_config": _route_config(params),
+        **(
+            {"access_log": _completion_logs(params)}
+            if params.ext_proc and params.body_mode == "streamed"
+            else {}
+        ),
         "http_filters": [
             _strip_client_routing_headers(),
             *([_ext_proc_filter(params)] if params.ext_proc else []),
@@ -308,6 +358,8 @@ def build_bootstrap(params: BootstrapParams) -> dict[str, Any]:
         ],
     }
     clusters = [backend, _router_cluster(params)]
+    if params.ext_proc and params.body_mode == "streamed":
+        clusters += [_completion_log_cluster(i, r) for i, r in enumerate(params.routers)]
     bootstrap: dict[str, Any] = {
         "node": {"id": "envoy", "cluster": "prefix-router-ingress"},
         "admin": {"address": _address(*params.admin)},

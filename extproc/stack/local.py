@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from extproc.stack.bootstrap import BootstrapParams, Mode, render
+from extproc.stack.bootstrap import BodyMode, BootstrapParams, Mode, render
 from extproc.stack.processes import (
     ManagedProcess,
     StackError,
@@ -133,6 +133,7 @@ class StackSpec:
     sim_args: tuple[str, ...] = ()
     upstream_host_header: bool = True
     buffer_limit_bytes: int = BootstrapParams.buffer_limit_bytes
+    body_mode: BodyMode = BootstrapParams.body_mode
     # More router processes on free ports beside ``router``: each is an endpoint of
     # Envoy's ext_proc cluster (one HTTP/2 connection each).
     router_replicas: int = 1
@@ -362,6 +363,7 @@ class LocalStack:
             control_plane=self.spec.control_plane,
             upstream_host_header=self.spec.upstream_host_header,
             buffer_limit_bytes=self.spec.buffer_limit_bytes,
+            body_mode=self.spec.body_mode,
         )
         return replace(params, **self.spec.envoy_settings)
 

@@ -8,6 +8,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from extproc.adapter.completions import TICKET_KEY
 from extproc.adapter.messages import (
     LB_METADATA_KEY,
     LB_METADATA_NAMESPACE,
@@ -15,7 +16,7 @@ from extproc.adapter.messages import (
     ProcessingRequest,
     ProcessingResponse,
 )
-from extproc.adapter.phases import Phase, RequestStream
+from extproc.adapter.phases import BODY_LIMIT_BYTES, Phase, RequestStream
 from extproc.adapter.routing import Router
 from extproc.config import RouterConfig
 
@@ -41,6 +42,10 @@ def metadata_targets(response: ProcessingResponse) -> list[str]:
     return value.fields[LB_METADATA_KEY].string_value.split(",")
 
 
+def kinds_of(responses: tuple[ProcessingResponse, ...]) -> list[str]:
+    return [r.WhichOneof("response") for r in responses]
+
+
 def chat_body(text: str) -> bytes:
     return json.dumps({"model": "m", "messages": [{"role": "user", "content": text}]}).encode()
 
@@ -48,14 +53,14 @@ def chat_body(text: str) -> bytes:
 def test_headers_are_answered_at_once_and_the_body_carries_the_decision():
     router = make_router()
     stream = RequestStream(router)
-    first = stream.on_message(
+    (first,) = stream.on_message(
         request_headers({":method": "POST", "content-type": "application/json"})
     )
     assert first.WhichOneof("response") == "request_headers"
     assert not first.request_headers.response.header_mutation.set_headers
     assert stream.phase is Phase.AWAITING_BODY
 
-    second = stream.on_message(request_body(chat_body("hello " * 400)))
+    (second,) = stream.on_message(request_body(chat_body("hello " * 400)))
     assert second.WhichOneof("response") == "request_body"
     primary = target_header(second, "request_body")
     targets = metadata_targets(second)
@@ -72,7 +77,7 @@ def test_headers_are_answered_at_once_and_the_body_carries_the_decision():
 def test_a_bodyless_request_is_decided_on_its_headers():
     router = make_router()
     stream = RequestStream(router)
-    response = stream.on_message(request_headers({":method": "GET"}, end_of_stream=True))
+    (response,) = stream.on_message(request_headers({":method": "GET"}, end_of_stream=True))
     assert target_header(response, "request_headers") in HOSTS
     assert stream.phase is Phase.DECIDED
 
@@ -86,7 +91,8 @@ def test_same_prefix_same_host_different_tail():
             stream = RequestStream(router)
             stream.on_message(request_headers({}))
             body = chat_body(f"document {doc} " * 600 + f"question {question}")
-            primary = target_header(stream.on_message(request_body(body)), "request_body")
+            (answer,) = stream.on_message(request_body(body))
+            primary = target_header(answer, "request_body")
             primaries.setdefault(doc, set()).add(primary)
             stream.close()
     assert all(len(hosts) == 1 for hosts in primaries.values())
@@ -100,7 +106,8 @@ def test_overflow_at_threshold_moves_to_the_next_host():
     for _ in range(5):
         stream = RequestStream(router)
         stream.on_message(request_headers({}))
-        primaries.append(target_header(stream.on_message(request_body(body)), "request_body"))
+        (answer,) = stream.on_message(request_body(body))
+        primaries.append(target_header(answer, "request_body"))
         streams.append(stream)
     assert primaries[0] == primaries[1] != primaries[2] == primaries[3]
     assert primaries[4] not in primaries[:4]
@@ -113,15 +120,15 @@ def test_out_of_order_messages_are_answered_not_fatal():
     router = make_router()
     stream = RequestStream(router)
     # Body before headers: still routed.
-    response = stream.on_message(request_body(b"raw"))
+    (response,) = stream.on_message(request_body(b"raw"))
     assert target_header(response, "request_body") in HOSTS
     # A second body and duplicate headers get do-nothing answers of their own kind.
-    assert stream.on_message(request_body(b"more")).WhichOneof("response") == "request_body"
-    assert stream.on_message(request_headers({})).WhichOneof("response") == "request_headers"
-    assert stream.on_message(ProcessingRequest()) is None
+    assert kinds_of(stream.on_message(request_body(b"more"))) == ["request_body"]
+    assert kinds_of(stream.on_message(request_headers({}))) == ["request_headers"]
+    assert stream.on_message(ProcessingRequest()) == ()
     trailers = ProcessingRequest()
     trailers.request_trailers.SetInParent()
-    assert stream.on_message(trailers).WhichOneof("response") == "request_trailers"
+    assert kinds_of(stream.on_message(trailers)) == ["request_trailers"]
     stream.close()
     assert router.in_flight.total() == 0
 
@@ -130,7 +137,7 @@ def test_no_hosts_answers_503_immediately():
     router = make_router(hosts=())
     stream = RequestStream(router)
     stream.on_message(request_headers({}))
-    response = stream.on_message(request_body(b"{}"))
+    (response,) = stream.on_message(request_body(b"{}"))
     assert response.immediate_response.status.code == 503
     stream.close()
 
@@ -155,17 +162,138 @@ def test_any_message_sequence_gets_answers_and_never_leaks_in_flight(sequence):
         else:
             request = ProcessingRequest()
             getattr(request, kind).SetInParent()
-        response = stream.on_message(request)
+        answers = stream.on_message(request)
         if kind == "empty":
-            assert response is None
-        else:
-            assert response is not None
-            assert response.WhichOneof("response") in (kind, "immediate_response")
-        for targets in (
-            [metadata_targets(response)]
-            if response and response.HasField("dynamic_metadata")
-            else []
-        ):
-            assert set(targets) <= set(HOSTS)
+            assert answers == ()
+            continue
+        (response,) = answers
+        assert response.WhichOneof("response") in (kind, "immediate_response")
+        if response.HasField("dynamic_metadata"):
+            assert set(metadata_targets(response)) <= set(HOSTS)
     stream.close()
+    assert router.in_flight.total() == 0
+
+
+# ---------------------------------------------------------------- STREAMED, headers held
+
+
+def test_streamed_body_holds_the_headers_and_answers_once_with_the_decision():
+    clock = [100.0]
+    router = Router(RouterConfig(hosts=HOSTS), random.Random(7), clock=lambda: clock[0])
+    stream = RequestStream(router)
+    assert stream.on_message(request_headers({}, streamed=True)) == ()
+    assert stream.phase is Phase.HOLDING_HEADERS
+    body = chat_body("a shared document " * 300 + "and a question")
+    half = len(body) // 2
+    # Chunks before the end wait: no response can be sent before the headers response.
+    assert stream.on_message(request_body(body[:half], end_of_stream=False)) == ()
+    answers = stream.on_message(request_body(body[half:]))
+    # One answer: the decision, on the headers. Envoy forwards the chunks it holds.
+    assert kinds_of(answers) == ["request_headers"]
+    primary = target_header(answers[0], "request_headers")
+    assert metadata_targets(answers[0])[0] == primary
+    assert stream.ended
+    # Handed to the load feed: Envoy would end the stream after the body anyway.
+    stream.close()
+    assert router.in_flight.total() == 0
+    assert dict(router.unseen.counts(clock[0])) == {primary: 1}
+    # It decided on the whole body: the same host as the body sent in one message.
+    whole = RequestStream(make_router())
+    whole.on_message(request_headers({}))
+    (answer,) = whole.on_message(request_body(body))
+    assert target_header(answer, "request_body") == primary
+
+
+def test_streamed_body_keeps_the_first_limit_bytes_and_decides_at_the_end():
+    router = make_router()
+    stream = RequestStream(router)
+    stream.on_message(request_headers({}, streamed=True))
+    head = chat_body("a long shared document " * 100)
+    chunk = b"x" * BODY_LIMIT_BYTES
+    assert stream.on_message(request_body(head, end_of_stream=False)) == ()
+    # Past the limit: nothing more is kept, and still no answer before the body ends.
+    assert stream.on_message(request_body(chunk, end_of_stream=False)) == ()
+    assert stream.on_message(request_body(chunk, end_of_stream=False)) == ()
+    (answer,) = stream.on_message(request_body(b"tail", end_of_stream=True))
+    assert stream.ended
+    # The decision is the one the first BODY_LIMIT_BYTES give.
+    alone = RequestStream(make_router())
+    alone.on_message(request_headers({}))
+    (expected,) = alone.on_message(request_body((head + chunk)[:BODY_LIMIT_BYTES]))
+    assert target_header(answer, "request_headers") == target_header(expected, "request_body")
+    stream.close()
+
+
+def test_end_at_decision_hands_the_request_to_the_load_feed():
+    clock = [100.0]
+    router = Router(RouterConfig(hosts=HOSTS), random.Random(7), clock=lambda: clock[0])
+    stream = RequestStream(router, end_at_decision=True)
+    stream.on_message(request_headers({}, streamed=True))
+    (answer,) = stream.on_message(request_body(chat_body("hello " * 400)))
+    # Only the decision: the body chunks are Envoy's to forward once the stream closes.
+    primary = target_header(answer, "request_headers")
+    assert stream.ended
+    stream.close()
+    # Not counted in flight until a stream ends, but unseen by the feed for a while.
+    assert router.in_flight.total() == 0
+    assert dict(router.unseen.counts(clock[0])) == {primary: 1}
+    clock[0] += router.config.load_feed_max_age_s + 0.1
+    assert dict(router.unseen.counts(clock[0])) == {}
+
+
+def test_end_at_decision_in_buffered_partial_mode_ends_after_the_body_response():
+    router = make_router()
+    stream = RequestStream(router, end_at_decision=True)
+    assert kinds_of(stream.on_message(request_headers({}))) == ["request_headers"]
+    assert not stream.ended
+    (answer,) = stream.on_message(request_body(chat_body("hi")))
+    assert target_header(answer, "request_body") in HOSTS
+    assert stream.ended
+    stream.close()
+    assert router.in_flight.total() == 0
+    assert router.unseen.total() == 1
+
+
+@given(
+    st.lists(st.tuples(kinds, st.binary(max_size=300), st.booleans()), max_size=8),
+    st.booleans(),
+)
+@settings(max_examples=300)
+def test_any_sequence_after_streamed_headers_decides_at_most_once(sequence, end_at_decision):
+    router = make_router(concurrency_threshold=1)
+    stream = RequestStream(router, end_at_decision)
+    answers = list(stream.on_message(request_headers({}, streamed=True)))
+    for kind, payload, flag in sequence:
+        if stream.ended:
+            break
+        if kind == "request_headers":
+            request = request_headers({}, flag, streamed=True)
+        elif kind == "request_body":
+            request = request_body(payload, flag)
+        else:
+            request = ProcessingRequest()
+            if kind != "empty":
+                getattr(request, kind).SetInParent()
+        answers.extend(stream.on_message(request))
+    decisions = [a for a in answers if a.HasField("dynamic_metadata")]
+    assert len(decisions) <= 1
+    for decision in decisions:
+        assert set(metadata_targets(decision)) <= set(HOSTS)
+    stream.close()
+    assert router.in_flight.total() == 0
+
+
+def test_a_streamed_decision_carries_a_ticket_while_the_access_log_is_connected():
+    router = make_router()
+    router.completions.streams = 1
+    stream = RequestStream(router)
+    stream.on_message(request_headers({}, streamed=True))
+    (answer,) = stream.on_message(request_body(chat_body("hello " * 400)))
+    namespace = answer.dynamic_metadata.fields[LB_METADATA_NAMESPACE].struct_value
+    ticket = namespace.fields[TICKET_KEY].string_value
+    primary = target_header(answer, "request_headers")
+    stream.close()
+    # The stream is gone; the request is still in flight until Envoy logs it done.
+    assert router.in_flight.snapshot() == {primary: 1}
+    assert router.complete(ticket)
     assert router.in_flight.total() == 0

@@ -55,7 +55,8 @@ def make_router(
         # These tests pin the absolute threshold; bounded loads have their own tests.
         balance_factor=None,
     )
-    router = Router(config, random.Random(3), clock=clock)
+    # One fake clock for both: the feed's wall-time stamps then read as this clock.
+    router = Router(config, random.Random(3), clock=clock, wall_clock=clock)
     if control_plane:
         assert not router.ready.is_set()
         router.set_hosts(hosts or HostSet.of(HOSTS))
@@ -237,3 +238,46 @@ def test_model_all_or_none_have_is_placed_over_every_host(model: str) -> None:
         router.finish(decision)
         primaries[decision.primary] += 1
     assert set(primaries) == set(HOSTS)
+
+
+def test_handed_off_decisions_count_on_top_of_the_feed_until_it_shows_them() -> None:
+    clock = FakeClock()
+    router = make_router(clock)
+    placements = first_hosts(router)
+    on_x = [body for body, first in placements.items() if first == X]
+    router.set_feed({X: HostLoad(running=THRESHOLD - 2, scraped_at=clock.now - 0.1)})
+    # Two requests whose streams closed at decision: the feed cannot show them yet.
+    for body in on_x[:2]:
+        decision = router.route({}, body)
+        assert decision.primary == X
+        router.hand_off(decision)
+    assert router.in_flight.total() == 0
+    # A feed whose scrape began before them still cannot.
+    clock.now += 0.2
+    router.set_feed({X: HostLoad(running=THRESHOLD - 2, scraped_at=clock.now - 0.3)})
+    decision = router.route({}, on_x[2])
+    router.finish(decision)
+    assert decision.outcome is Outcome.OVERFLOW  # 2 in the feed + 2 unseen
+    # One scraped after them shows them (or that they are done).
+    clock.now += 0.25
+    router.set_feed({X: HostLoad(running=THRESHOLD - 2, scraped_at=clock.now - 0.01)})
+    decision = router.route({}, on_x[2])
+    router.finish(decision)
+    assert (decision.primary, decision.outcome) == (X, Outcome.PLACED)
+
+
+def test_handed_off_decisions_count_without_a_fresh_feed() -> None:
+    clock = FakeClock()
+    router = make_router(clock, control_plane=None)
+    placements = first_hosts(router)
+    on_x = [body for body, first in placements.items() if first == X]
+    for body in on_x[:THRESHOLD]:
+        router.hand_off(router.route({}, body))
+    decision = router.route({}, on_x[THRESHOLD])
+    router.finish(decision)
+    assert decision.outcome is Outcome.OVERFLOW
+    # They stop counting after load_feed_max_age_s.
+    clock.now += MAX_AGE_S + 0.01
+    decision = router.route({}, on_x[THRESHOLD])
+    router.finish(decision)
+    assert (decision.primary, decision.outcome) == (X, Outcome.PLACED)

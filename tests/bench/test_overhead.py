@@ -24,7 +24,12 @@ def test_chat_bodies_have_the_exact_size_and_distinct_prompts():
 def test_overhead_benchmark_writes_table_and_plot(tmp_path):
     report = run(OverheadOptions(duration_s=1, rounds=1, out_dir=tmp_path))
     text = report.read_text()
-    for path in ("| c=1 | direct |", "| c=1 | envoy |", "| c=16 | envoy+router |"):
+    for path in (
+        "| c=1 | direct |",
+        "| c=1 | envoy |",
+        "| c=16 | envoy+router |",
+        "| c=16 | envoy+router streamed |",
+    ):
         assert path in text
     # No path may fail requests: every row's error count is 0.
     rows = [line for line in text.splitlines() if line.startswith("| c=")]
@@ -33,7 +38,7 @@ def test_overhead_benchmark_writes_table_and_plot(tmp_path):
     # The report is a rendering of the stored run: rendering the JSON again gives it back.
     stored = json.loads((tmp_path / "overhead.json").read_text())
     assert stored["kind"] == "overhead"
-    assert len(stored["samples"]) == 3 * 2  # three paths at two concurrencies, one round
+    assert len(stored["samples"]) == 4 * 2  # four paths at two concurrencies, one round
     assert render(stored) == text
 
 
@@ -43,12 +48,18 @@ def _sample(path: str, connections: int, p50: float) -> dict[str, object]:
     return {"path": path, "connections": connections, **latencies, **counts}
 
 
-@pytest.mark.parametrize(("routed_p50", "verdict"), [(1.5, "meets"), (2.5, "misses")])
+@pytest.mark.parametrize(("routed_p50", "verdict"), [(1.1, "meets"), (2.5, "misses")])
 def test_the_verdict_is_computed_from_the_samples(routed_p50, verdict):
+    paths = (
+        ("direct", 0.3),
+        ("envoy", 0.6),
+        ("envoy+router", routed_p50 + 1),
+        ("envoy+router streamed", routed_p50),
+    )
     samples = [
         _sample(path, c, p50 + offset)
         for c in (1, 16)
-        for path, p50 in (("direct", 0.3), ("envoy", 0.6), ("envoy+router", routed_p50))
+        for path, p50 in paths
         for offset in (0.0, 0.1, -0.1)  # three rounds: the median is the middle one
     ]
     data = {
@@ -59,5 +70,8 @@ def test_the_verdict_is_computed_from_the_samples(routed_p50, verdict):
         "load_average_after": [0.5, 0.4, 0.3],
     }  # fmt: skip
     text = render(data)
-    assert f"| c=1 | {routed_p50 - 0.6:+.2f} |" in text
-    assert f"it {verdict} the target" in text
+    assert f"| envoy+router streamed | c=1 | {routed_p50 - 0.6:+.2f} |" in text
+    assert f"| envoy+router | c=1 | {routed_p50 + 1 - 0.6:+.2f} |" in text
+    # The verdict is the faster path's.
+    added = routed_p50 - 0.6
+    assert f"`envoy+router streamed`, adds {added:+.2f} ms at p50: it {verdict} the target" in text

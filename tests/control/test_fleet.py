@@ -132,15 +132,18 @@ def test_publish_fleet_of_unchanged_states_is_a_noop() -> None:
     assert store.generation == generation
 
 
-def test_publish_loads_stamps_wall_time_and_skips_empty_rounds() -> None:
+def test_publish_loads_stamps_each_scrape_in_wall_time_and_skips_empty_rounds() -> None:
     store = SnapshotStore()
-    fleet = Fleet(ControlPlaneConfig(hosts=(A,)), store, wall_clock=lambda: 1234.5)
+    fleet = Fleet(
+        ControlPlaneConfig(hosts=(A,)), store, wall_clock=lambda: 1234.5, clock=lambda: 3.0
+    )
     fleet.publish_loads({})
     assert store.get("vllm/load") is None
+    # Scraped 2 s ago on the monotonic clock: 2 s before the wall time now.
     fleet.publish_loads({A: HostLoad(running=2, scraped_at=1.0)})
     loads = store.get("vllm/load")
     assert isinstance(loads, LoadSnapshot)
-    assert loads.loads == ((A, HostLoad(running=2, scraped_at=1234.5)),)
+    assert loads.loads == ((A, HostLoad(running=2, scraped_at=1232.5)),)
 
 
 # --- with simulators ------------------------------------------------------------------------
@@ -187,7 +190,8 @@ async def test_fleet_run_publishes_hosts_and_loads() -> None:
         loads = store.get("vllm/load")
         assert isinstance(loads, LoadSnapshot)
         assert [address for address, _ in loads.loads] == sorted(sims)
-        assert all(load.scraped_at == 42.0 for _, load in loads.loads)
+        # Stamped in (the injected) wall time, at the scrapes' start: just before "now".
+        assert all(0 <= 42.0 - load.scraped_at < 1.0 for _, load in loads.loads)
 
 
 async def test_fleet_ejects_a_host_that_stops(tmp_path: Path) -> None:

@@ -15,16 +15,36 @@ SIM_ARGS = ("--ttft-ms", "0", "--itl-ms", "20")
 THRESHOLD = 2
 
 
-@pytest.fixture(scope="module", params=["override-host", "original-dst"])
+# (Envoy mode, body mode): both in both. STREAMED bodies take one round trip, and their
+# streams end with the decision; Envoy's access log then reports each completion.
+VARIANTS = [
+    ("override-host", "buffered-partial"),
+    ("original-dst", "buffered-partial"),
+    ("override-host", "streamed"),
+    ("original-dst", "streamed"),
+]
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=["-".join(v) for v in VARIANTS])
 def stack(request) -> Iterator[LocalStack]:
+    mode, body_mode = request.param
     spec = StackSpec.ephemeral(
         3,
-        mode=request.param,
+        mode=mode,
+        body_mode=body_mode,
         sim_args=SIM_ARGS,
         router_settings={"concurrency_threshold": THRESHOLD, "prefix_length": 4096},
     )
     with LocalStack(spec) as running:
         yield running
+
+
+def streams_end_at_decision(stack: LocalStack) -> bool:
+    """STREAMED bodies end the stream with the decision, whatever stream_end says."""
+    return (
+        stack.spec.body_mode == "streamed"
+        or stack.spec.router_settings.get("stream_end") == "decision"
+    )
 
 
 @pytest.fixture

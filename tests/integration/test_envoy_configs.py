@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.stack.bootstrap import MODES, BootstrapParams, render
+from extproc.stack.bootstrap import BODY_MODES, MODES, BootstrapParams, build_bootstrap, render
 from extproc.stack.local import envoy_binary
 
 ENVOY_DIR = Path(__file__).resolve().parents[2] / "envoy"
@@ -23,9 +23,16 @@ def test_shipped_file_is_the_generators_output(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("upstream_host_header", [True, False])
-def test_bootstrap_validates_in_envoy(tmp_path, mode, upstream_host_header):
+@pytest.mark.parametrize("body_mode", BODY_MODES)
+def test_bootstrap_validates_in_envoy(tmp_path, mode, upstream_host_header, body_mode):
     path = tmp_path / "bootstrap.yaml"
-    path.write_text(render(BootstrapParams(mode=mode, upstream_host_header=upstream_host_header)))
+    path.write_text(
+        render(
+            BootstrapParams(
+                mode=mode, upstream_host_header=upstream_host_header, body_mode=body_mode
+            )
+        )
+    )
     result = subprocess.run(
         [envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
         capture_output=True,
@@ -44,3 +51,32 @@ def test_original_dst_strips_client_routing_headers_before_ext_proc():
     assert strip < ext_proc
     assert "remove: x-target-host" in text
     assert "failure_mode_allow: false" in text
+
+
+def test_streamed_bodies_log_completions_to_each_router_process():
+    routers = (("127.0.0.1", 50051), ("127.0.0.1", 50052))
+    bootstrap = build_bootstrap(BootstrapParams(body_mode="streamed", routers=routers))
+    manager = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    (ext_proc,) = [
+        f for f in manager["typed_config"]["http_filters"] if f["name"].endswith("ext_proc")
+    ]
+    assert ext_proc["typed_config"]["processing_mode"]["request_body_mode"] == "STREAMED"
+    assert ext_proc["typed_config"]["send_body_without_waiting_for_header_response"] is True
+    logs = manager["typed_config"]["access_log"]
+    targets = [log["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"] for log in logs]
+    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    endpoints = [
+        clusters[t["cluster_name"]]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        for t in targets
+    ]
+    addresses = [
+        (e[0]["endpoint"]["address"]["socket_address"]["address"],
+         e[0]["endpoint"]["address"]["socket_address"]["port_value"])
+        for e in endpoints
+    ]  # fmt: skip
+    # One log, to one router each: every router sees its own requests complete.
+    assert addresses == list(routers)
+    # BUFFERED_PARTIAL streams last as long as their requests: no log needed.
+    buffered = build_bootstrap(BootstrapParams(routers=routers))
+    manager = buffered["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    assert "access_log" not in manager["typed_config"]

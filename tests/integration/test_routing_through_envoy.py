@@ -9,7 +9,7 @@ import httpx
 
 from extproc.stack.local import LocalStack
 
-from .conftest import THRESHOLD, fleet
+from .conftest import THRESHOLD, fleet, streams_end_at_decision
 
 
 def chat(text: str, max_tokens: int = 1, **extra) -> dict:
@@ -143,3 +143,34 @@ async def test_client_abort_releases_the_in_flight_slot(stack: LocalStack):
             break
         await asyncio.sleep(0.05)
     assert in_flight(stack).get(home, 0) == 0  # an idle host has no series
+
+
+def envoy_stat(stack: LocalStack, name: str) -> int:
+    text = httpx.get(f"{stack.admin_url}/stats?filter=^{name}$").text
+    return int(text.rsplit(":", 1)[1]) if text.strip() else 0
+
+
+async def test_ext_proc_streams_follow_decisions_not_responses(stack: LocalStack):
+    """Responses that stream for seconds: Envoy holds their ext_proc streams open only
+    when they do not end at the decision, and the router counts them in flight either way."""
+    count = 6
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+
+        async def one(n: int) -> int:
+            body = chat(document(20 + n), max_tokens=150, stream=True)  # ~3 s each
+            async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                return len([line async for line in response.aiter_lines() if line])
+
+        responses = asyncio.gather(*(one(n) for n in range(count)))
+        await asyncio.sleep(1.0)  # every request decided, every response still streaming
+        held = envoy_stat(stack, "cluster.prefix_router.upstream_rq_active")
+        counted = sum(in_flight(stack).values())
+        assert all(lines > 0 for lines in await responses)
+    assert held == (0 if streams_end_at_decision(stack) else count)
+    assert counted == count
+    # Every completion reached the router: nothing is left in flight.
+    for _ in range(40):
+        if not in_flight(stack):
+            break
+        await asyncio.sleep(0.05)
+    assert in_flight(stack) == {}
