@@ -74,6 +74,14 @@ def route_on_body(decision: Decision, ticket: str | None = None) -> ProcessingRe
     return response
 
 
+def extend_timeout(seconds: int) -> ProcessingResponse:
+    """No answer, only a longer ``message_timeout`` for the message Envoy waits on: the
+    held headers, while a slow client is still sending its body."""
+    response = ProcessingResponse()
+    response.override_message_timeout.seconds = seconds
+    return response
+
+
 def continue_for(kind: str) -> ProcessingResponse:
     """The do-nothing answer to a message of ``kind`` (a ProcessingRequest oneof name)."""
     response = ProcessingResponse()

@@ -38,6 +38,9 @@ log = structlog.get_logger("ext_proc")
 # upstream with chunks twice when the stream closed while the body was still arriving.
 BODY_LIMIT_BYTES = 1024 * 1024
 _STREAMED = ProcessingMode.STREAMED
+# How long, from the latest body chunk, Envoy waits for the held headers' answer
+# (bounded by the filter's max_message_timeout).
+HOLD_TIMEOUT_S = 30
 
 Responses = tuple[messages.ProcessingResponse, ...]
 _NONE: Responses = ()
@@ -112,7 +115,9 @@ class RequestStream:
             if room > 0:
                 self._body += body.body[:room]
             if not body.end_of_stream:
-                return _NONE
+                # Envoy's message_timeout runs from the headers: a client still sending
+                # must not turn into a timeout (which damaged the body, failing open).
+                return (messages.extend_timeout(HOLD_TIMEOUT_S),)
             decided = self._decide(bytes(self._body), messages.route_on_headers)
             self._body = bytearray()
             return (decided,)

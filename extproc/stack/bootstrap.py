@@ -233,6 +233,8 @@ def _ext_proc_filter(params: BootstrapParams) -> dict[str, Any]:
     if streamed:
         # The router holds its headers response until it has read the body.
         config["send_body_without_waiting_for_header_response"] = True
+        # The router extends message_timeout while the body is still arriving.
+        config["max_message_timeout"] = "30s"
     if not fail_open:
         config["status_on_error"] = {"code": "ServiceUnavailable"}
     return {"name": "envoy.filters.http.ext_proc", "typed_config": config}

@@ -16,7 +16,7 @@ from extproc.adapter.messages import (
     ProcessingRequest,
     ProcessingResponse,
 )
-from extproc.adapter.phases import BODY_LIMIT_BYTES, Phase, RequestStream
+from extproc.adapter.phases import BODY_LIMIT_BYTES, HOLD_TIMEOUT_S, Phase, RequestStream
 from extproc.adapter.routing import Router
 from extproc.config import RouterConfig
 
@@ -40,6 +40,16 @@ def target_header(response: ProcessingResponse, phase: str) -> str:
 def metadata_targets(response: ProcessingResponse) -> list[str]:
     value = response.dynamic_metadata.fields[LB_METADATA_NAMESPACE].struct_value
     return value.fields[LB_METADATA_KEY].string_value.split(",")
+
+
+def is_timeout_extension(responses: tuple[ProcessingResponse, ...]) -> bool:
+    """One message that answers nothing and gives Envoy's message_timeout HOLD_TIMEOUT_S."""
+    (response,) = responses
+    return (
+        response.WhichOneof("response") is None
+        and response.override_message_timeout.seconds == HOLD_TIMEOUT_S
+        and not response.HasField("dynamic_metadata")
+    )
 
 
 def kinds_of(responses: tuple[ProcessingResponse, ...]) -> list[str]:
@@ -185,8 +195,9 @@ def test_streamed_body_holds_the_headers_and_answers_once_with_the_decision():
     assert stream.phase is Phase.HOLDING_HEADERS
     body = chat_body("a shared document " * 300 + "and a question")
     half = len(body) // 2
-    # Chunks before the end wait: no response can be sent before the headers response.
-    assert stream.on_message(request_body(body[:half], end_of_stream=False)) == ()
+    # Chunks before the end wait: no answer comes before the headers', only a longer
+    # message_timeout for them while the body is still arriving.
+    assert is_timeout_extension(stream.on_message(request_body(body[:half], end_of_stream=False)))
     answers = stream.on_message(request_body(body[half:]))
     # One answer: the decision, on the headers. Envoy forwards the chunks it holds.
     assert kinds_of(answers) == ["request_headers"]
@@ -210,10 +221,10 @@ def test_streamed_body_keeps_the_first_limit_bytes_and_decides_at_the_end():
     stream.on_message(request_headers({}, streamed=True))
     head = chat_body("a long shared document " * 100)
     chunk = b"x" * BODY_LIMIT_BYTES
-    assert stream.on_message(request_body(head, end_of_stream=False)) == ()
+    assert is_timeout_extension(stream.on_message(request_body(head, end_of_stream=False)))
     # Past the limit: nothing more is kept, and still no answer before the body ends.
-    assert stream.on_message(request_body(chunk, end_of_stream=False)) == ()
-    assert stream.on_message(request_body(chunk, end_of_stream=False)) == ()
+    assert is_timeout_extension(stream.on_message(request_body(chunk, end_of_stream=False)))
+    assert is_timeout_extension(stream.on_message(request_body(chunk, end_of_stream=False)))
     (answer,) = stream.on_message(request_body(b"tail", end_of_stream=True))
     assert stream.ended
     # The decision is the one the first BODY_LIMIT_BYTES give.

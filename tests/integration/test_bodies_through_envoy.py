@@ -93,6 +93,26 @@ def test_slow_drip_body_is_routed_and_delivered(stack: LocalStack, client):
     assert_delivered(stack, response, body)
 
 
+def test_a_body_that_stalls_past_message_timeout_is_routed_and_delivered(stack, client):
+    """A client that pauses longer than Envoy's message_timeout mid-body. With STREAMED
+    bodies the timer runs while the router holds the headers' answer, so the router
+    extends it on each chunk; without that, this was a 504 (original-dst) or a damaged
+    body upstream (override-host, failing open)."""
+    body = chat_of_size(20_000, tag="stalls")
+    pause_s = 2 * BootstrapParams.message_timeout_ms / 1000
+
+    def stalling():
+        yield body[:5000]
+        time.sleep(pause_s)
+        yield body[5000:]
+
+    response = client.post("/v1/chat/completions", content=stalling())
+    assert response.status_code == 200, response.text[:200]
+    assert_delivered(stack, response, body)
+    stats = httpx.get(f"{stack.admin_url}/stats?filter=ext_proc.message_timeouts").text
+    assert stats.strip().endswith(": 0"), stats
+
+
 BAD_BODIES = {
     "non-json": (b"this is not json at all " * 100, {}),
     "truncated-json": (chat_of_size(5000, "truncated")[:3000], {}),
