@@ -220,6 +220,7 @@ class Router:
             weights,
             self._policy,
             config.failover_hosts,
+            self.index.fills(hosts.addresses),
         )
         log.debug(
             "prefix_decision",

@@ -495,15 +495,23 @@ async def test_model_timing_streams_first_token_at_the_modelled_ttft(
     # Cached: one forward pass for the recomputed last block, at the decode floor.
     cached_s = (overhead_ms + config.decode_ms_per_token) / 1000
     prompt = "q" * (PROMPT_8K_TOKENS * 4)
-    # Loopback HTTP and a busy test machine add latency; they never remove it.
+    # Loopback HTTP and a busy test machine add latency; they never remove it. So every
+    # sample is at least the model's time, and the fastest of a few is close to it (one
+    # sample alone once took 0.74 s for 0.27 on a loaded CI machine).
     slack_s = 0.06
+    rounds = 3
+    firsts, seconds = [], []
     async with start(timing="model", time_scale=time_scale) as base:
-        first = await streamed_ttft(session, base, prompt)
-        second = await streamed_ttft(session, base, prompt)
-        assert await metric(session, base, "vllm:time_to_first_token_seconds_count") == 2
-        assert await metric(session, base, "vllm:prefix_cache_hits_total") == 8000 - 16
-    assert uncached_s * time_scale * 0.98 <= first <= uncached_s * time_scale + slack_s
-    assert cached_s * time_scale * 0.98 <= second <= cached_s * time_scale + slack_s
+        for _ in range(rounds):
+            async with session.post(f"{base}/reset_prefix_cache") as resp:
+                assert resp.status == 200
+            firsts.append(await streamed_ttft(session, base, prompt))
+            seconds.append(await streamed_ttft(session, base, prompt))
+        assert await metric(session, base, "vllm:time_to_first_token_seconds_count") == 2 * rounds
+        assert await metric(session, base, "vllm:prefix_cache_hits_total") == rounds * (8000 - 16)
+    for modelled, samples in ((uncached_s, firsts), (cached_s, seconds)):
+        assert min(samples) >= modelled * time_scale * 0.98, samples
+        assert min(samples) <= modelled * time_scale + slack_s, samples
 
 
 @pytest.mark.parametrize("timing", ["fixed", "model"])
