@@ -220,7 +220,6 @@ class Router:
             weights,
             self._policy,
             config.failover_hosts,
-            self.index.fills(hosts.addresses),
         )
         log.debug(
             "prefix_decision",

@@ -38,7 +38,7 @@ from extproc.bench import report
 from extproc.bench.counters import prefix_counters
 from extproc.bench.probes import wait_for_idle_pressure
 from extproc.stack.local import LocalStack, StackSpec
-from extproc.stack.processes import ManagedProcess, free_port
+from extproc.stack.processes import ManagedProcess, free_port, port_is_free
 from extproc.stack.vllm import VllmOptions, make_model, start_vllm, vllm_python
 
 log = structlog.get_logger("bench")
@@ -57,6 +57,11 @@ CPU_ENGINE_HEALTH = {"interval_s": 2.0, "timeout_s": 2.0, "unhealthy_threshold":
 @dataclass(frozen=True)
 class RealVllmOptions:
     instances: int = 3
+    # Every instance on this port of its own address (127.0.0.21, .22, ...): the same fleet
+    # in every run, so the hash placement of the scenarios' prefixes is the same too (a
+    # random port per run made it a draw: 15 documents on 3 hosts split anywhere from
+    # 5/5/5 to 2/6/7). A port already taken falls back to a free one, with a warning.
+    port: int = 8200
     # documents: six documents of ~3.3k tokens (3.6 characters per token with the tiny
     # model's tokenizer); each instance's cache holds about five.
     documents: int = 6
@@ -309,7 +314,13 @@ def real_vllm_stack(
     python = vllm_python()
     model = make_model(python, work / "model", options.model_shape)
     hosts = [f"127.0.0.{21 + i}" for i in range(options.instances)]
-    addresses = [(h, free_port(h)) for h in hosts]
+    addresses = []
+    for host in hosts:
+        port = options.port
+        if not port_is_free(host, port):
+            port = free_port(host)
+            log.warning("real_vllm.port_taken", host=host, wanted=options.port, using=port)
+        addresses.append((host, port))
     vllm_options = VllmOptions(
         model_dir=model,
         device=options.device,

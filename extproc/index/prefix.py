@@ -61,15 +61,6 @@ class PrefixIndex:
                         matched[host] = depth
         return PrefixLookup(blocks, MappingProxyType(matched))
 
-    def fills(self, hosts: Iterable[str]) -> dict[str, float]:
-        """The share of each host's cache its index entries fill (0 for a host with none):
-        where new prefixes have room."""
-        fills = {}
-        for host in hosts:
-            held = self._hosts.get(host)
-            fills[host] = len(held) / held.capacity if held is not None else 0.0
-        return fills
-
     # --- what changes it
 
     def record(self, host: str, lookup: PrefixLookup) -> None:

@@ -14,11 +14,9 @@ The decision, for one prompt:
 2. **Anchor.** The first block past the popular prefix (the document, the conversation,
    the tenant context) is the prompt's anchor. Rendezvous hashing of the anchor orders the
    spread, then the other hosts; of the first two, the one with the greater placement
-   weight (the less pressed cache) goes first, and of two equal weights the one whose
-   cache the index shows clearly less full. So a new prefix lands on a host chosen by
-   hash and by cache pressure (state every router replica shares; the fills are this
-   router's own, and matter only while caches fill unevenly), and every later prompt with
-   the same anchor lands there too.
+   weight (the less pressed cache) goes first. So a new prefix lands on a host chosen by
+   hash and by cache pressure, from state every router replica shares, and every later
+   prompt with the same anchor lands there too.
 3. **Cost.** Each host below ``concurrency_threshold`` costs the share of the prompt it
    would have to prefill (on the spread, the popular prefix counts as cached: it is being
    replicated there; not for a prompt repeated as it is, which stays where it is cached)
@@ -81,37 +79,25 @@ def balance_bound(hosts: HostSet, loads: Mapping[str, float], policy: LoadPolicy
 
 
 def anchor_order(
-    lookup: PrefixLookup,
-    heat: PrefixHeat,
-    hosts: HostSet,
-    weights: Mapping[str, float],
-    fills: Mapping[str, float] | None = None,
+    lookup: PrefixLookup, heat: PrefixHeat, hosts: HostSet, weights: Mapping[str, float]
 ) -> tuple[tuple[Host, ...], frozenset[str]]:
     """The anchor's order over every host (the spread first), and the spread's addresses."""
     blocks = lookup.blocks
     depth = min(heat.depth, blocks.depth)
     members = hosts.hosts
     anchor = blocks.anchor(depth)
-    # Weights and fills place new prompts only: where a host holds more than the popular
-    # prefix, the plain rendezvous order breaks ties, so a cached prompt's order never
-    # drifts with load.
+    # Weights place new prompts only: where a host holds more than the popular prefix, the
+    # plain rendezvous order breaks ties, so a cached prompt's order never drifts with load.
     if any(held > depth for held in lookup.matched.values()):
-        weights, fills = {}, None
-    # The fills change with every decision, so they may place only an anchor the index
-    # will find again: a block the prompt carries (a document), not a short first turn
-    # that later turns find by its hash alone.
-    if not blocks.anchor_is_block(depth):
-        fills = None
+        weights = {}
     if depth and heat.replicas < len(members):
         # Ordered by the anchor it had before it grew hot, so its first host stays its home.
         home_anchor = blocks.anchor(min(heat.parent_depth, depth - 1))
         spread = placement_order(home_anchor, hosts)[: max(1, heat.replicas)]
         rest = tuple(h for h in members if h not in spread)
-        order = two_choice_order(anchor, spread, weights, fills) + two_choice_order(
-            anchor, rest, weights, fills
-        )
+        order = two_choice_order(anchor, spread, weights) + two_choice_order(anchor, rest, weights)
         return order, frozenset(h.address for h in spread)
-    return two_choice_order(anchor, members, weights, fills), hosts.addresses
+    return two_choice_order(anchor, members, weights), hosts.addresses
 
 
 def decide_prefix(
@@ -122,13 +108,11 @@ def decide_prefix(
     weights: Mapping[str, float],
     policy: LoadPolicy,
     failover: int,
-    fills: Mapping[str, float] | None = None,
 ) -> Decision:
-    """Pick the upstream for one prompt; never a host outside ``hosts``. ``fills``: the
-    share of each host's cache the index holds (see ``two_choice_order``)."""
+    """Pick the upstream for one prompt; never a host outside ``hosts``."""
     if not hosts.hosts:
         raise NoHostsError("the published host set is empty")
-    order, spread = anchor_order(lookup, heat, hosts, weights, fills)
+    order, spread = anchor_order(lookup, heat, hosts, weights)
     blocks = lookup.blocks
     depth = min(heat.depth, blocks.depth)
     block_bytes = blocks.block_bytes

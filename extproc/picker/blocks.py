@@ -74,21 +74,14 @@ class PromptBlocks:
         a shared system prompt), so the anchor runs to the end of the next message: the
         first user turn names a conversation, in every later turn too.
         """
-        if self.anchor_is_block(depth):
+        start = depth * self.block_bytes
+        length = len(self.key)
+        ends = [end for end in self.segments if end > start]
+        end = ends[0] if ends else length
+        if end - start >= self.block_bytes:
             return self.hashes[depth]
-        start = depth * self.block_bytes
-        ends = [end for end in self.segments if end > start]
-        stop = ends[1] if len(ends) > 1 else len(self.key)
+        stop = ends[1] if len(ends) > 1 else length
         return _hash(self.key[start:stop], self.prefix_hash(depth))
-
-    def anchor_is_block(self, depth: int) -> bool:
-        """Whether ``anchor(depth)`` is the hash of block ``depth``: then the index records
-        the anchor with the prompt, and every later prompt with that anchor finds its host
-        there; otherwise only the anchor's hash finds it again."""
-        start = depth * self.block_bytes
-        ends = [end for end in self.segments if end > start]
-        end = ends[0] if ends else len(self.key)
-        return end - start >= self.block_bytes
 
 
 @dataclass(frozen=True, slots=True)

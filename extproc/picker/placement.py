@@ -33,40 +33,22 @@ def placement_order(digest: int, hosts: HostSet) -> tuple[Host, ...]:
     return tuple(sorted(hosts.hosts, key=lambda host: _score(digest, host), reverse=True))
 
 
-# A host whose index holds more than this multiple of the other candidate's share of its
-# cache gives a new prefix to the other (when their weights are equal).
-FILL_MARGIN = 1.5
-
-
 def two_choice_order(
-    anchor: int,
-    hosts: tuple[Host, ...],
-    weights: Mapping[str, float] | None = None,
-    fills: Mapping[str, float] | None = None,
+    anchor: int, hosts: tuple[Host, ...], weights: Mapping[str, float] | None = None
 ) -> tuple[Host, ...]:
     """``hosts`` best first for ``anchor``: rendezvous order, but of its first two hosts the
-    one with the greater weight (the less pressed cache) goes first; of two equal weights,
-    the one whose cache is clearly less full (``fills``: the share of each host's cache
-    the router's index holds) goes first.
+    one with the greater weight (the less pressed cache) goes first.
 
     The power of two choices: each anchor has two consistent candidates, and pressure
     only picks between them. So new prefixes avoid a pressed host and flow to an idle one,
     while a change of weights can move an anchor only between its own two candidates, and
-    equal (or no) weights and fills give exactly ``placement_order``. The weights come from
-    the control plane and move slowly; the fills move with every decision, so a handful of
-    new prefixes on a fresh fleet are spread evenly instead of by the luck of the hash.
+    equal (or no) weights give exactly ``placement_order``.
     """
     key = anchor.to_bytes(8, "little")
     hash_ = xxhash.xxh3_64_intdigest
     order = sorted(hosts, key=lambda host: hash_(key, host.identity), reverse=True)
-    if len(order) > 1 and (weights or fills):
+    if weights and len(order) > 1:
         first, second = order[0], order[1]
-        first_weight = weights.get(first.address, 1.0) if weights else 1.0
-        second_weight = weights.get(second.address, 1.0) if weights else 1.0
-        if second_weight > first_weight or (
-            second_weight == first_weight
-            and fills
-            and fills.get(first.address, 0.0) > FILL_MARGIN * fills.get(second.address, 0.0)
-        ):
+        if weights.get(second.address, 1.0) > weights.get(first.address, 1.0):
             order[0], order[1] = second, first
     return tuple(order)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -150,3 +151,34 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Whether ``port`` on ``host`` can be bound now."""
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
+    """The first of ``count`` consecutive free ports (``router --workers`` listens on a
+    run); all are held open together while checked."""
+    rng = random.Random()
+    for _ in range(attempts):
+        base = rng.randrange(20000, 60000 - count)
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise OSError(f"no run of {count} free ports on {host} after {attempts} tries")

@@ -125,14 +125,3 @@ def test_an_unpopular_prompt_is_anchored_by_its_first_block():
     short = prompt_blocks(b"tiny", BLOCK, 5)
     assert short.anchor(0) != prompt_blocks(b"tinier", BLOCK, 5).anchor(0)
     assert short.anchor(0) != prompt_blocks(b"tiny", BLOCK, 6).anchor(0)
-
-
-def test_only_a_whole_block_past_the_popular_prefix_is_an_anchor_the_index_records():
-    document = {"messages": [{"role": "system", "content": "document " * 200},
-                             {"role": "user", "content": "a question"}]}  # fmt: skip
-    assert blocks_of(document).anchor_is_block(0)
-    # A first turn shorter than a block: later turns find its host by the anchor's hash.
-    system = "s" * (BLOCK + BLOCK // 2)
-    chat = blocks_of(conversation(system, [("first question, short", "reply " * 40)], 0))
-    assert not chat.anchor_is_block(1)
-    assert not prompt_blocks(b"tiny", BLOCK, 5).anchor_is_block(0)

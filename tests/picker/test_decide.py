@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from extproc.errors import NoHostsError
 from extproc.picker.decide import Outcome, Strategy, decide, load_bound
 from extproc.picker.hosts import HostSet
-from extproc.picker.placement import key_digest, placement_order, two_choice_order
+from extproc.picker.placement import key_digest, placement_order
 
 ADDRESSES = [f"127.0.0.{i}:8000" for i in range(1, 40)]
 
@@ -186,20 +186,3 @@ def test_bounded_load_spreads_a_hot_prefix_over_consistent_hosts():
     assert set(placed) == set(order[: len(set(placed))])
     unbounded = decide(hot, hosts, {order[0]: 27}, Strategy.PREFIX_AWARE, 32, 2, 0.5)
     assert unbounded.primary == order[0]
-
-
-@given(digests, host_sets)
-def test_two_choices_swap_only_for_a_clearly_emptier_cache_of_equal_weight(digest, hosts):
-    plain = placement_order(digest, hosts)
-    assert two_choice_order(digest, hosts.hosts) == plain
-    if len(plain) < 2:
-        return
-    first, second = plain[0].address, plain[1].address
-    swapped = (plain[1], plain[0], *plain[2:])
-    emptier = {first: 0.6, second: 0.3}
-    assert two_choice_order(digest, hosts.hosts, {}, emptier) == swapped
-    # Within the margin nothing moves: small differences do not steer placement.
-    assert two_choice_order(digest, hosts.hosts, {}, {first: 0.4, second: 0.3}) == plain
-    # The control plane's weights come first; the fills only break their ties.
-    assert two_choice_order(digest, hosts.hosts, {first: 4.0}, emptier) == plain
-    assert two_choice_order(digest, hosts.hosts, {second: 4.0}, {first: 0.0}) == swapped
