@@ -202,6 +202,15 @@ class RouterConfig(FrozenModel):
     metrics_listen: Address = described(
         "The Prometheus metrics address.", "127.0.0.1:9102", allowed="ip:port"
     )
+    workers: StrictInt = described(
+        "Router processes. grpc.aio serves from one core, so a router per core multiplies "
+        "its capacity: worker i listens on listen's port + i and metrics_listen's port + i, "
+        "and each is an endpoint of Envoy's ext_proc cluster (`envoy-config "
+        "--router-workers`). A worker that dies is restarted.",
+        1,
+        ge=1,
+        le=64,
+    )
     log_level: LogLevel = described("The lowest level logged.", "info")
 
     @model_validator(mode="after")
@@ -210,6 +219,19 @@ class RouterConfig(FrozenModel):
             raise ConfigError(
                 "hosts", self.hosts, "empty when control_plane is set (it supplies the hosts)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _worker_ports_exist(self) -> RouterConfig:
+        for name in ("listen", "metrics_listen"):
+            port = int(getattr(self, name).rpartition(":")[2])
+            if port + self.workers - 1 > 65535:
+                raise ConfigError(
+                    "workers",
+                    self.workers,
+                    f"at most {65536 - port} with {name} on port {port} (worker i listens on "
+                    "its port + i)",
+                )
         return self
 
 

@@ -11,6 +11,8 @@ import structlog
 def configure(level: str = "info") -> None:
     structlog.configure(
         processors=[
+            # Fields bound for the whole process, e.g. a router worker's index.
+            structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,

@@ -46,6 +46,8 @@ def test_env_hosts_are_comma_separated():
         ({"key_mode": "xml"}, "key_mode", "openai"),
         ({"hosts": ["example.com:80"]}, "hosts[0]", "ip:port"),
         ({"listen": "nowhere"}, "listen", "ip:port"),
+        ({"workers": 0}, "workers", "1 to 64"),
+        ({"workers": 65}, "workers", "1 to 64"),
         ({"colour": "red"}, "colour", "a known field"),
     ],
 )
@@ -117,3 +119,11 @@ def test_numbers_are_floats_whatever_the_file_wrote(tmp_path):
     path.write_text("chars_per_token: 3\nbalance_factor: 2\n")
     config = load_config(path, env={})
     assert type(config.chars_per_token) is float and type(config.balance_factor) is float
+
+
+def test_workers_need_a_port_each_for_grpc_and_metrics():
+    assert load_config(env={}, overrides={"workers": 4, "listen": "127.0.0.1:65532"}).workers == 4
+    with pytest.raises(ConfigError) as caught:
+        load_config(env={}, overrides={"workers": 4, "metrics_listen": "127.0.0.1:65533"})
+    assert caught.value.field == "workers"
+    assert "at most 3 with metrics_listen on port 65533" in str(caught.value)

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +124,7 @@ class ConfigReloader:
     rejected with a log line and the old config stays. Addresses need a restart.
     """
 
-    RESTART_FIELDS = ("listen", "metrics_listen", "control_plane", "cluster")
+    RESTART_FIELDS = ("listen", "metrics_listen", "control_plane", "cluster", "workers")
 
     def __init__(self, router: Router, path: Path, overrides: Mapping[str, Any]) -> None:
         self._router = router
@@ -173,8 +173,10 @@ async def serve(
     stop: asyncio.Event | None = None,
     config_path: Path | None = None,
     overrides: Mapping[str, Any] | None = None,
+    on_listening: Callable[[], None] | None = None,
 ) -> None:
-    """Run the router until ``stop`` is set (or SIGINT/SIGTERM), then drain and exit."""
+    """Run the router until ``stop`` is set (or SIGINT/SIGTERM), then drain and exit.
+    ``on_listening`` is called once its ports are bound and the gRPC server started."""
     router = Router(config)
     server = grpc.aio.server(
         options=[
@@ -203,6 +205,8 @@ async def serve(
         reloader = ConfigReloader(router, config_path, overrides or {})
         background.append(asyncio.create_task(reloader.run(stop)))
     await server.start()
+    if on_listening is not None:
+        on_listening()
 
     async def report_ready() -> None:
         # NOT_SERVING until there is a host set: Envoy's health checks keep streams away

@@ -304,7 +304,7 @@ def _saturation_section(data: dict[str, Any]) -> str:
         notes.append(f"- {note}.")
     summary = "\n".join(notes)
     max_table = report.markdown_table(
-        ["router processes", f"max rate at p99 ≤ +{budget:g} ms (req/s)", "capacity (req/s)"],
+        ["router", f"max rate at p99 ≤ +{budget:g} ms (req/s)", "capacity (req/s)"],
         max_rows,
     )
     return f"""## Saturation: the highest rate at p99 ≤ {budget:g} ms above plain Envoy
@@ -317,9 +317,10 @@ Method: wrk with a Lua script that sends on a fixed schedule (wrk2-style constan
 rate: each free connection takes the next slot; {options["connections"]} connections),
 {options["body_bytes"]}-byte chat bodies ({options["distinct_prompts"]} prompts in rotation),
 rates {pretty_rates} req/s. At each rate plain Envoy (no ext_proc, same backends), Envoy
-with one router and Envoy with two router processes (two endpoints of the ext_proc
-cluster) run {options["duration_s"]:g} s each, interleaved in a rotating order,
-{options["rounds"]} rounds; cells are medians. A configuration sustains a rate when it
+with one router (`1 worker`) and Envoy with `prefix-router router --workers 2`
+(`2 workers`: two processes, two endpoints of the ext_proc cluster) run
+{options["duration_s"]:g} s each, interleaved in a rotating order, {options["rounds"]}
+rounds; cells are medians. A configuration sustains a rate when it
 failed no request, achieved at least {options["min_achieved"]:.0%} of the scheduled rate
 (below that the connections were all busy and queueing went unmeasured) and its p99 was at
 most {budget:g} ms above Envoy's at the same rate. The ladder goes on past that rate to
@@ -377,7 +378,7 @@ def _plot_saturation(data: dict[str, Any], path: Path) -> None:
 
     figure, (latency, achieved) = plt.subplots(1, 2, figsize=(11, 4))
     budget = data["options"]["added_p99_budget_ms"]
-    for name in ("envoy", "1 router", "2 routers"):
+    for name in ("envoy", *data["max_rate"]):
         rows = [s for s in data["steps"] if s["path"] == name]
         rates = [s["rate"] for s in rows]
         latency.plot(rates, [s["p99_ms"] for s in rows], marker="o", label=f"{name} p99")

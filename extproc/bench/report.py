@@ -57,6 +57,7 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> s
 RENDERERS = {
     "fleet": "extproc.bench.fleet_render",
     "fleet-events": "extproc.bench.fleet_events",
+    "long-streams": "extproc.bench.long_streams",
     "overhead": "extproc.bench.overhead",
     "prefix-index": "extproc.bench.prefix_index",
     "real-vllm": "extproc.bench.real_vllm",

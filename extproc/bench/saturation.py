@@ -1,10 +1,12 @@
 """Saturation: the highest request rate the router sustains at a p99 no more than a budget
-above plain Envoy's, for one and for two router processes, and where its time goes.
+above plain Envoy's, for one router and for ``router --workers 2``, and where its time
+goes.
 
 Load is wrk driven at fixed arrival rates (see ``lua.paced_script``), stepped up a ladder.
 At each rate, plain Envoy (no ext_proc, same backends), Envoy with one router and Envoy
-with two routers (two endpoints of the ext_proc cluster) run interleaved in a rotating
-order, ``rounds`` times; each cell is the median. A configuration sustains a rate when it
+with one router of two workers run interleaved in a rotating
+order, ``rounds`` times; each cell is the median. Each worker is an endpoint of the
+ext_proc cluster. A configuration sustains a rate when it
 served every request, kept up with the schedule, and its p99 exceeded Envoy's by at most
 the budget. The ladder goes on past that to find each configuration's capacity (the
 highest rate it keeps up with, whatever the latency); a configuration drops out after
@@ -14,6 +16,7 @@ the single router at its capacity.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import re
@@ -28,17 +31,17 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-import yaml
 
 from extproc.bench import lua, probes, report, wrk
 from extproc.bench.overhead import chat_bodies
-from extproc.stack.local import LocalStack, StackSpec, start_envoy
-from extproc.stack.processes import ManagedProcess, free_ports, wait_until
+from extproc.stack.local import LocalStack, StackSpec, start_envoy, start_router
+from extproc.stack.processes import ManagedProcess, free_port_run, free_ports, wait_until
 
 log = structlog.get_logger("bench")
 
 BASELINE = "envoy"
-CONFIGS = ("1 router", "2 routers")
+CONFIGS = ("1 worker", "2 workers")
+WORKERS = {"1 worker": 1, "2 workers": 2}
 PATHS = (BASELINE, *CONFIGS)
 PY_SPY_MISSING = "py-spy is not installed (pip install py-spy)"
 
@@ -79,21 +82,26 @@ class SaturationResult:
         return asdict(self)
 
 
-def _router_process(
-    work: Path, name: str, listen: int, metrics: int, control_plane: tuple[str, int]
-) -> ManagedProcess:
-    config = work / f"{name}.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "listen": f"127.0.0.1:{listen}",
-                "metrics_listen": f"127.0.0.1:{metrics}",
-                "control_plane": f"{control_plane[0]}:{control_plane[1]}",
-            }
-        )
-    )
-    argv = [sys.executable, "-m", "extproc", "router", "--config", str(config)]
-    return ManagedProcess(name, argv, work / f"{name}.log").start()
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (a supervisor's workers), from /proc."""
+    pids, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        pids.append(current)
+        try:
+            with open(f"/proc/{current}/task/{current}/children") as children:
+                todo += [int(child) for child in children.read().split()]
+        except OSError:
+            continue
+    return pids
+
+
+def _tree_cpu_seconds(pid: int) -> float:
+    total = 0.0
+    for member in _process_tree(pid):
+        with contextlib.suppress(OSError):
+            total += probes.cpu_seconds(member)
+    return total
 
 
 def _whole_seconds(seconds: float) -> float:
@@ -249,30 +257,38 @@ def measure(options: SaturationOptions) -> SaturationResult:
             stack.start_sims()
             stack.start_control_plane()
             assert spec.control_plane is not None
-            ports = free_ports(10)
+            # Each router's workers listen on consecutive ports: the 1-worker router on
+            # one port, the 2-worker router on a run of two.
+            grpc_base, metrics_base = free_port_run(3), free_port_run(3)
+            ports = free_ports(6)
             routers = [
-                _router_process(work, f"router-{n}", ports[2 * n], ports[2 * n + 1],
-                                spec.control_plane)
-                for n in range(2)
-            ]  # fmt: skip
+                start_router(
+                    f"router-{n}",
+                    work,
+                    ("127.0.0.1", grpc_base + n),
+                    ("127.0.0.1", metrics_base + n),
+                    spec.control_plane,
+                    WORKERS[config],
+                )
+                for n, config in zip((0, 1), CONFIGS, strict=True)
+            ]
             processes += routers
-            metrics_urls = [f"http://127.0.0.1:{ports[2 * n + 1]}/metrics" for n in range(2)]
-            for router, url in zip(routers, metrics_urls, strict=True):
+            metrics_urls = [f"http://127.0.0.1:{metrics_base + e}/metrics" for e in range(3)]
+            for url in metrics_urls:  # router-0's worker, then router-1's two
                 wait_until(
                     functools.partial(_knows_hosts, url, options.backends),
                     30.0,
-                    f"{router.name} to know the fleet",
-                    router,
+                    f"the router on {url} to know the fleet",
                 )
             base = stack.bootstrap_params()
             router_sets = {
                 BASELINE: (),
-                "1 router": (("127.0.0.1", ports[0]),),
-                "2 routers": (("127.0.0.1", ports[0]), ("127.0.0.1", ports[2])),
+                "1 worker": (("127.0.0.1", grpc_base),),
+                "2 workers": (("127.0.0.1", grpc_base + 1), ("127.0.0.1", grpc_base + 2)),
             }
             urls = {}
             for n, path in enumerate(PATHS):
-                listen, admin = ports[4 + 2 * n], ports[5 + 2 * n]
+                listen, admin = ports[2 * n], ports[2 * n + 1]
                 params = replace(
                     base,
                     listen=("127.0.0.1", listen),
@@ -284,10 +300,10 @@ def measure(options: SaturationOptions) -> SaturationResult:
                 urls[path] = f"http://127.0.0.1:{listen}"
             bodies = chat_bodies(options.distinct_prompts, options.body_bytes)
             _ladder(options, result, urls, bodies, routers, work)
-            best = result.capacity.get("1 router") or options.rates[0]
+            best = result.capacity.get("1 worker") or options.rates[0]
             script = lua.paced_script(work / "profile.lua", "/v1/chat/completions", bodies, best)
             if options.profile_s > 0:
-                result.profile = _profile(options, _pid(routers[0]), urls["1 router"], script)
+                result.profile = _profile(options, _pid(routers[0]), urls["1 worker"], script)
                 result.profile["rate"] = best
             for n, url in enumerate(metrics_urls):
                 deadline = time.monotonic() + 10
@@ -297,7 +313,7 @@ def measure(options: SaturationOptions) -> SaturationResult:
                     if in_flight == 0 or time.monotonic() > deadline:
                         break
                     time.sleep(0.2)
-                result.in_flight_end[f"router-{n}"] = in_flight
+                result.in_flight_end[f"endpoint-{n}"] = in_flight
         finally:
             for process in reversed(processes):
                 process.stop()
@@ -332,10 +348,10 @@ def _ladder(
         for round_number in range(options.rounds):
             shift = round_number % len(paths)
             for path in paths[shift:] + paths[:shift]:
-                cpu_before = [probes.cpu_seconds(_pid(r)) for r in routers]
+                cpu_before = [_tree_cpu_seconds(_pid(r)) for r in routers]
                 sample = wrk.run(urls[path], script, options.connections, seconds)
                 cpu = sum(
-                    probes.cpu_seconds(_pid(r)) - before
+                    _tree_cpu_seconds(_pid(r)) - before
                     for r, before in zip(routers, cpu_before, strict=True)
                 )
                 samples[path].append((sample, cpu / seconds))

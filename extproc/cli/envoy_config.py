@@ -46,6 +46,14 @@ def register(commands: Commands) -> None:
         help="a router process, ip:port; repeatable",
     )
     parser.add_argument(
+        "--router-workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="each --router runs `router --workers N`: its endpoints are its port to port "
+        "+ N - 1 (default 1)",
+    )
+    parser.add_argument(
         "--backend",
         type=ip_port,
         action="append",
@@ -101,11 +109,21 @@ def run(args: argparse.Namespace) -> int:
     problem = _inapplicable(args)
     if problem is not None:
         return usage_error("envoy-config", problem)
+    if not 1 <= args.router_workers <= 64:
+        return usage_error(
+            "envoy-config", f"--router-workers must be 1-64, got {args.router_workers}"
+        )
+    routers = tuple(args.router) or BootstrapParams.routers
+    endpoints = tuple(
+        (host, port + i) for host, port in routers for i in range(args.router_workers)
+    )
+    if any(port > 65535 for _, port in endpoints):
+        return usage_error("envoy-config", "--router-workers takes a --router port past 65535")
     params = BootstrapParams(
         mode=args.mode,
         listen=args.listen,
         admin=args.admin,
-        routers=tuple(args.router) or BootstrapParams.routers,
+        routers=endpoints,
         backends=tuple(args.backend) or BootstrapParams.backends,
         control_plane=None if args.static else args.control_plane or BootstrapParams.control_plane,
         upstream_host_header=not args.no_upstream_host_header,

@@ -6,7 +6,12 @@ import argparse
 import asyncio
 from pathlib import Path
 
-from extproc.cli.common import Commands, add_routing_flags, host_address, routing_overrides
+from extproc.cli.common import (
+    Commands,
+    add_routing_flags,
+    host_address,
+    routing_overrides,
+)
 
 
 def register(commands: Commands) -> None:
@@ -36,6 +41,13 @@ def register(commands: Commands) -> None:
         metavar="IP:PORT",
         help="an upstream host; repeatable (replaces the config's hosts)",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="router processes, worker i on the --listen and --metrics-listen ports + i "
+        "(default 1; one per core serves the most streams)",
+    )
     add_routing_flags(parser)
     parser.set_defaults(handler=run)
 
@@ -49,9 +61,14 @@ def run(args: argparse.Namespace) -> int:
     overrides["listen"] = args.listen
     overrides["metrics_listen"] = args.metrics_listen
     overrides["control_plane"] = args.control_plane
+    overrides["workers"] = args.workers
     if args.host:
         overrides["hosts"] = tuple(args.host)
     config = load_config(args.config, overrides=overrides)
     logs.configure(config.log_level)
+    if config.workers > 1:
+        from extproc.adapter.workers import Supervisor
+
+        return Supervisor(config, args.config, overrides).run()
     asyncio.run(serve(config, config_path=args.config, overrides=overrides))
     return 0

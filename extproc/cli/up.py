@@ -76,6 +76,14 @@ def register(commands: Commands) -> None:
         "or streamed (one; the router's answer to the headers carries the decision) "
         "(default buffered-partial)",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="router processes, worker i on the router's ports + i; each is an endpoint of "
+        "Envoy's ext_proc cluster (default 1)",
+    )
     sim = parser.add_argument_group("the simulated fleet (not with --backend)")
     sim.add_argument(
         "--backends", type=int, help="how many simulated backends to start (default 3)"
@@ -132,7 +140,12 @@ def stack_spec(args: argparse.Namespace) -> StackSpec:
     from extproc.stack.local import StackSpec, simulated_backends
 
     overrides = {k: v for k, v in routing_overrides(args).items() if v is not None}
-    load_config(env={}, overrides=overrides)
+    addresses = {
+        "listen": "{}:{}".format(*args.router_listen),
+        "metrics_listen": "{}:{}".format(*args.router_metrics),
+        "workers": args.workers,
+    }
+    load_config(env={}, overrides={**overrides, **addresses})
     sim = {
         name: SIM_DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
         for name in SIM_DEFAULTS
@@ -150,6 +163,7 @@ def stack_spec(args: argparse.Namespace) -> StackSpec:
         router_settings=overrides,
         upstream_host_header=not args.no_upstream_host_header,
         body_mode=args.body_mode,
+        router_workers=args.workers,
         sim_args=("--ttft-ms", str(sim["sim_ttft_ms"]), "--itl-ms", str(sim["sim_itl_ms"])),
         work_dir=args.work_dir,
     )

@@ -19,6 +19,7 @@ from extproc.stack.processes import (
     ManagedProcess,
     StackError,
     free_port,
+    free_port_run,
     free_ports,
     http_ok,
     tcp_open,
@@ -114,6 +115,42 @@ def start_envoy(name: str, params: BootstrapParams, work_dir: Path) -> ManagedPr
     return envoy
 
 
+def start_router(
+    name: str,
+    work_dir: Path,
+    listen: tuple[str, int],
+    metrics_listen: tuple[str, int],
+    control_plane: tuple[str, int],
+    workers: int = 1,
+) -> ManagedProcess:
+    """Run ``prefix-router router`` (``workers`` of it) fed by ``control_plane``; returns
+    once every worker knows a fleet."""
+    config = work_dir / f"{name}.yaml"
+    settings = {
+        "listen": _join(listen),
+        "metrics_listen": _join(metrics_listen),
+        "control_plane": _join(control_plane),
+        "workers": workers,
+    }
+    config.write_text(yaml.safe_dump(settings, sort_keys=False))
+    argv = [sys.executable, "-m", "extproc", "router", "--config", str(config)]
+    router = ManagedProcess(name, argv, work_dir / f"{name}.log").start()
+    host, port = metrics_listen
+    for worker in range(workers):
+        url = f"http://{host}:{port + worker}/metrics"
+        wait_until(
+            functools.partial(_knows_a_fleet, url),
+            READY_TIMEOUT_S,
+            f"{name} worker {worker}",
+            router,
+        )
+    return router
+
+
+def _knows_a_fleet(metrics_url: str) -> bool:
+    return (scrape_metric(metrics_url, "prefix_router_hosts") or 0) > 0
+
+
 @dataclass
 class StackSpec:
     mode: Mode = "override-host"
@@ -137,6 +174,9 @@ class StackSpec:
     # More router processes on free ports beside ``router``: each is an endpoint of
     # Envoy's ext_proc cluster (one HTTP/2 connection each).
     router_replicas: int = 1
+    # Worker processes of the one router process (``router --workers``), on the ports of
+    # ``router`` and ``router_metrics`` + i; each is an endpoint of the ext_proc cluster.
+    router_workers: int = 1
     # Any other BootstrapParams fields (e.g. Envoy's stream timeouts), by name.
     envoy_settings: dict[str, Any] = field(default_factory=dict)
     work_dir: Path | None = None
@@ -149,6 +189,10 @@ class StackSpec:
     def ephemeral(cls, backends: int = 3, **overrides: Any) -> StackSpec:
         """Free loopback ports everywhere, for tests that run beside other stacks."""
         listen, admin, router, metrics, xds, xds_metrics = free_ports(6)
+        workers = overrides.get("router_workers", 1)
+        if workers > 1:  # a run of free ports: the workers' gRPC ports, then their metrics
+            router = free_port_run(2 * workers)
+            metrics = router + workers
         spec = cls(
             listen=("127.0.0.1", listen),
             admin=("127.0.0.1", admin),
@@ -172,7 +216,12 @@ class LocalStack:
         self.sims: list[ManagedProcess] = []
         if spec.router_replicas < 1:
             raise StackError(f"router_replicas must be at least 1, got {spec.router_replicas}")
-        # (gRPC address, metrics address) of each router replica; replica 0 is the spec's.
+        if spec.router_workers < 1:
+            raise StackError(f"router_workers must be at least 1, got {spec.router_workers}")
+        if spec.router_workers > 1 and spec.router_replicas > 1:
+            raise StackError("router_workers and router_replicas cannot both be above 1")
+        # (gRPC address, metrics address) of each router endpoint: each replica's, replica
+        # 0 the spec's; or each worker's, on the spec's ports + i.
         extra = free_ports(2 * (spec.router_replicas - 1))
         self.router_addresses: list[tuple[tuple[str, int], tuple[str, int]]] = [
             (spec.router, spec.router_metrics),
@@ -181,6 +230,12 @@ class LocalStack:
                 for i in range(spec.router_replicas - 1)
             ),
         ]
+        if spec.router_workers > 1:
+            (host, port), (metrics_host, metrics_port) = spec.router, spec.router_metrics
+            self.router_addresses = [
+                ((host, port + i), (metrics_host, metrics_port + i))
+                for i in range(spec.router_workers)
+            ]
         self.routers: list[ManagedProcess | None] = [None] * spec.router_replicas
         self.envoy: ManagedProcess | None = None
         self.control_plane: ManagedProcess | None = None
@@ -297,11 +352,14 @@ class LocalStack:
     def write_router_config(self, **settings: Any) -> Path:
         """Write every replica's config file (same settings, own addresses); returns the
         first replica's path."""
-        for replica, (listen, metrics_listen) in enumerate(self.router_addresses):
+        for replica in range(len(self.routers)):
+            listen, metrics_listen = self.router_addresses[replica]
             config: dict[str, Any] = {
                 "listen": _join(listen),
                 "metrics_listen": _join(metrics_listen),
             }
+            if self.spec.router_workers > 1:
+                config["workers"] = self.spec.router_workers
             if self.spec.control_plane is None:
                 config["hosts"] = self.backend_addresses
             else:
@@ -336,13 +394,25 @@ class LocalStack:
             self.router_log_path(replica),
         ).start()
         self.routers[replica] = router
-        wait_until(
-            lambda: self.router_metric("prefix_router_hosts", replica) == len(self.spec.backends),
-            READY_TIMEOUT_S,
-            f"{router.name} to know {len(self.spec.backends)} hosts",
-            router,
-        )
+        hosts = len(self.spec.backends)
+        for endpoint in self._endpoints_of(replica):
+            wait_until(
+                functools.partial(self._knows_hosts, endpoint, hosts),
+                READY_TIMEOUT_S,
+                f"{router.name} ({_join(self.router_addresses[endpoint][0])}) to know "
+                f"{hosts} hosts",
+                router,
+            )
         return router
+
+    def _knows_hosts(self, endpoint: int, hosts: int) -> bool:
+        return self.router_metric("prefix_router_hosts", endpoint) == hosts
+
+    def _endpoints_of(self, replica: int) -> range:
+        """The indexes in ``router_addresses`` that router process ``replica`` serves."""
+        if self.spec.router_workers > 1:
+            return range(self.spec.router_workers)
+        return range(replica, replica + 1)
 
     def start_routers(self) -> None:
         for replica in range(len(self.routers)):
@@ -408,7 +478,11 @@ class LocalStack:
             self.routers[replica] = None
         for replica in range(count):
             self.start_router(replica)
-        wanted = {_join(listen) for listen, _ in self.router_addresses[:count]}
+        wanted = {
+            _join(self.router_addresses[endpoint][0])
+            for replica in range(count)
+            for endpoint in self._endpoints_of(replica)
+        }
         wait_until(
             lambda: self.healthy_routers() == wanted,
             READY_TIMEOUT_S,

@@ -29,6 +29,7 @@ def test_overhead_benchmark_writes_table_and_plot(tmp_path):
         "| c=1 | envoy |",
         "| c=16 | envoy+router |",
         "| c=16 | envoy+router streamed |",
+        "| c=16 | envoy+router 2 workers |",
     ):
         assert path in text
     # No path may fail requests: every row's error count is 0.
@@ -38,7 +39,7 @@ def test_overhead_benchmark_writes_table_and_plot(tmp_path):
     # The report is a rendering of the stored run: rendering the JSON again gives it back.
     stored = json.loads((tmp_path / "overhead.json").read_text())
     assert stored["kind"] == "overhead"
-    assert len(stored["samples"]) == 4 * 2  # four paths at two concurrencies, one round
+    assert len(stored["samples"]) == 5 * 2  # five paths at two concurrencies, one round
     assert render(stored) == text
 
 

@@ -85,10 +85,11 @@ def test_soak_and_saturation_smoke(tmp_path):
             rates=(100,), duration_s=1, rounds=1, profile_s=1, connections=8, out_dir=tmp_path
         )
     )
-    assert {s["path"] for s in found.steps} == {"envoy", "1 router", "2 routers"}
+    assert {s["path"] for s in found.steps} == {"envoy", "1 worker", "2 workers"}
     assert all(s["errors"] == 0 and s["achieved_rps"] > 50 for s in found.steps)
-    assert set(found.max_rate) == {"1 router", "2 routers"}
-    assert found.in_flight_end == {"router-0": 0, "router-1": 0}
+    assert set(found.max_rate) == {"1 worker", "2 workers"}
+    # Every endpoint: the 1-worker router, then the two workers of the other.
+    assert found.in_flight_end == {"endpoint-0": 0, "endpoint-1": 0, "endpoint-2": 0}
     profile = found.profile
     if find_py_spy() is None and not os.environ.get("CI"):
         # The one case the profile may be skipped: py-spy is not here (CI must have it).

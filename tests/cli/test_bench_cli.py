@@ -16,6 +16,7 @@ FLEET = get_args(WorkloadName)
 OTHERS = (
     "overhead",
     "fleet-events",
+    "long-streams",
     "real-vllm",
     "scale-event",
     "prefix-index",

@@ -57,6 +57,8 @@ def test_up_help_documents_every_flag():
         (["up", "--prefix-length", "10"], "prefix_length"),
         (["up", "--concurrency-threshold", "5000"], "concurrency_threshold"),
         (["router", "--prefix-length", "999999", "--listen", "127.0.0.1:1"], "prefix_length"),
+        (["router", "--workers", "0", "--listen", "127.0.0.1:1"], "workers"),
+        (["up", "--workers", "3", "--router-listen", "127.0.0.1:65534"], "workers"),
     ],
 )
 def test_config_errors_exit_2_naming_the_field(args, field):
@@ -97,6 +99,25 @@ def test_envoy_config_prints_a_bootstrap_with_the_given_backends(capsys):
     assert backend_cluster(eds)["type"] == "EDS"
     (xds,) = [c for c in eds["static_resources"]["clusters"] if c["name"] == "xds"]
     assert endpoints(xds) == [("127.0.0.5", 18001)]
+
+
+def test_envoy_config_lists_every_router_worker_as_an_endpoint(capsys):
+    routers = ("--router", "127.0.0.1:6000", "--router", "127.0.0.2:7000")
+    config = bootstrap(capsys, *routers, "--router-workers", "2", "--body-mode", "streamed")
+    (cluster,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "prefix_router"]
+    assert endpoints(cluster) == [
+        ("127.0.0.1", 6000), ("127.0.0.1", 6001), ("127.0.0.2", 7000), ("127.0.0.2", 7001)
+    ]  # fmt: skip
+    # Streamed bodies: one completion log per worker, so each sees its own requests end.
+    logs = [c for c in config["static_resources"]["clusters"] if "completions" in c["name"]]
+    assert len(logs) == 4
+    assert main(["envoy-config", "--router-workers", "65"]) == EXIT_USAGE
+    assert "--router-workers must be 1-64" in capsys.readouterr().err
+
+
+def test_up_runs_the_router_with_its_workers():
+    spec = stack_spec(parse_args(["up", "--workers", "2"]))
+    assert spec.router_workers == 2 and spec.router_replicas == 1
 
 
 def test_envoy_config_original_dst_takes_the_routers_header():

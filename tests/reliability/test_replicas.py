@@ -72,6 +72,23 @@ def test_two_replicas_make_the_same_choice_for_the_same_key():
         assert decisions(stack, 0) > base[0] and decisions(stack, 1) > base[1]
 
 
+@pytest.mark.parametrize("mode", ["override-host", "original-dst"])
+def test_router_workers_are_endpoints_that_share_the_streams_and_agree(mode):
+    # ``router --workers 2``: one process, two workers, each its own endpoint.
+    with LocalStack(reliability_spec(5, mode=mode, router_workers=2)) as stack:
+        assert [p for p in stack.routers if p is not None] == [stack.router]
+        endpoints = {f"{host}:{port}" for (host, port), _ in stack.router_addresses}
+        assert len(endpoints) == 2 and stack.healthy_routers() == endpoints
+        bodies = [json.dumps(chat(document(d) + f" q{d}")).encode() for d in DOCS]
+        first = [ask_replica(stack, 0, body) for body in bodies]
+        assert [ask_replica(stack, 1, body) for body in bodies] == first
+        base = (decisions(stack, 0), decisions(stack, 1))
+        rounds = [placements(stack, DOCS) for _ in range(3)]
+        assert rounds[0] == rounds[1] == rounds[2]
+        assert {rounds[0][d] for d in DOCS} == {t[0] for t in first}
+        assert decisions(stack, 0) > base[0] and decisions(stack, 1) > base[1]
+
+
 def stream_to_the_end(url: str, doc: int, results: list[tuple[int, str | None, str]]) -> None:
     body = chat(document(doc), max_tokens=100, stream=True)  # ~2 s of tokens
     try:

@@ -38,6 +38,19 @@ def run_fleet_events(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_long_streams(args: argparse.Namespace) -> int:
+    from extproc.bench import long_streams
+
+    options = long_streams.LongStreamOptions(out_dir=args.out, command=command_line(args))
+    if args.quick:
+        options = replace(options, requests=50, stream_s=4.0, itl_s=0.25)
+    data = long_streams.run(options)
+    for body_mode, result in data["runs"].items():
+        held = long_streams.middle(result, data["options"], "ext_proc_streams")
+        print(f"{body_mode}: {result['completed']} completed, {held:.0f} ext_proc streams held")
+    return 0
+
+
 def run_prefix_index(args: argparse.Namespace) -> int:
     from extproc.bench import prefix_index
 
@@ -62,6 +75,12 @@ WORKLOADS = (
         "prefixes moved scaling 3->4->3, and time from a host's death to its ejection",
         (rounds, quick, out),
         run_fleet_events,
+    ),
+    Workload(
+        "long-streams",
+        "ext_proc streams Envoy holds while 500 responses stream for 30 s, per body mode",
+        (quick, out),
+        run_long_streams,
     ),
     Workload(
         "prefix-index",

@@ -1,0 +1,136 @@
+"""``router --workers N``: the supervisor and its worker processes, as real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from extproc.adapter.workers import worker_address, worker_overrides
+from extproc.config import RouterConfig
+from extproc.stack.processes import free_port_run, port_is_free, wait_until
+
+HOSTS = ("127.0.0.21:8000", "127.0.0.22:8000")
+
+
+def test_worker_i_listens_on_the_ports_plus_i_and_runs_alone():
+    config = RouterConfig(hosts=HOSTS, workers=3, listen="127.0.0.1:6000")
+    overrides = worker_overrides(config, {"prefix_length": 2048}, 2)
+    assert overrides == {
+        "prefix_length": 2048,
+        "listen": "127.0.0.1:6002",
+        "metrics_listen": "127.0.0.1:9104",
+        "workers": 1,
+    }
+    assert worker_address("[::1]:7000", 1) == "[::1]:7001"
+
+
+def metrics_up(port: int) -> bool:
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1).text
+    except httpx.HTTPError:
+        return False
+    return "prefix_router_hosts 2.0" in text
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True)
+    return [
+        int(line.split()[0])
+        for line in out.stdout.decode().splitlines()
+        if "spawn_main" in line  # not multiprocessing's resource tracker
+    ]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    out = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True)
+    return not out.stdout.decode().startswith("Z")
+
+
+def start_supervisor(tmp_path: Path, workers: int, base: int) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable, "-m", "extproc", "router", "--workers", str(workers),
+        "--listen", f"127.0.0.1:{base}", "--metrics-listen", f"127.0.0.1:{base + workers}",
+        *(arg for host in HOSTS for arg in ("--host", host)),
+    ]  # fmt: skip
+    with (tmp_path / "router.log").open("wb") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.timeout(120)
+def test_workers_serve_apart_a_dead_one_comes_back_and_sigterm_drains_them_all(tmp_path):
+    base = free_port_run(4)
+    supervisor = start_supervisor(tmp_path, 2, base)
+    try:
+        for port in (base + 2, base + 3):
+            wait_until(lambda p=port: metrics_up(p), 30, f"worker metrics on {port}")
+        workers = children(supervisor.pid)
+        assert len(workers) == 2
+        os.kill(workers[1], signal.SIGKILL)
+        wait_until(
+            lambda: len(children(supervisor.pid)) == 2 and not alive(workers[1]), 30, "a restart"
+        )
+        wait_until(lambda: metrics_up(base + 3), 30, "the restarted worker")
+        assert metrics_up(base + 2)  # the other worker was never touched
+        replaced = children(supervisor.pid)
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(timeout=60) == 0
+        assert not any(alive(pid) for pid in replaced)
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+    log = (tmp_path / "router.log").read_text()
+    assert '"event": "router_worker_exited"' in log and '"exitcode": -9' in log
+    assert log.count('"event": "router_stopped"') == 2  # each worker drained
+
+
+@pytest.mark.timeout(120)
+def test_workers_stop_when_their_supervisor_is_killed(tmp_path):
+    base = free_port_run(4)
+    supervisor = start_supervisor(tmp_path, 2, base)
+    try:
+        wait_until(lambda: metrics_up(base + 2) and metrics_up(base + 3), 30, "both workers")
+        workers = children(supervisor.pid)
+        supervisor.kill()
+        supervisor.wait()
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(pid) for pid in workers)
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_cannot_start_stops_them_all_with_an_error(tmp_path):
+    base = free_port_run(4)
+    blocker = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import socket,time; s=socket.socket(); "
+            f"s.bind(('127.0.0.1',{base + 3})); s.listen(); time.sleep(60)",
+        ]
+    )
+    try:
+        wait_until(
+            lambda: not port_is_free("127.0.0.1", base + 3), 10, "the blocker to hold its port"
+        )
+        supervisor = start_supervisor(tmp_path, 2, base)
+        assert supervisor.wait(timeout=40) == 1
+    finally:
+        blocker.kill()
+        blocker.wait()
+    log = (tmp_path / "router.log").read_text()
+    assert '"event": "router_worker_failed_to_start"' in log and '"worker": 1' in log
