@@ -45,7 +45,12 @@ class LongStreamOptions:
 
     @property
     def tokens(self) -> int:
-        return max(1, round(self.stream_s / self.itl_s))
+        return reply_tokens(self.stream_s, self.itl_s)
+
+
+def reply_tokens(stream_s: float, itl_s: float) -> int:
+    """Tokens in each reply: one every ``itl_s`` for about ``stream_s``."""
+    return max(1, round(stream_s / itl_s))
 
 
 def _envoy_stat(admin_url: str, name: str) -> float:
@@ -191,7 +196,7 @@ def render(data: dict[str, Any]) -> str:
     return f"""# Long streams: what Envoy holds while responses stream
 
 {options["requests"]} streaming chat completions started together, each streaming
-{_tokens(options)} tokens over about
+{reply_tokens(options["stream_s"], options["itl_s"])} tokens over about
 {options["stream_s"]:g} s, through Envoy and the router at its defaults, once per body
 mode. `buffered-partial` keeps each ext_proc stream open until its response ends;
 `streamed` ends it with the decision, and the router learns of each response's end from
@@ -216,10 +221,6 @@ streaming.
 - Machine: {data["machine"]}
 - Envoy: {data["envoy"]}
 """
-
-
-def _tokens(options: dict[str, Any]) -> str:
-    return str(max(1, round(options["stream_s"] / options["itl_s"])))
 
 
 def render_plots(data: dict[str, Any], out_dir: Path, name: str) -> None:
