@@ -27,7 +27,6 @@ import structlog
 from extproc.bench import probes, report
 from extproc.stack.bootstrap import BODY_MODES
 from extproc.stack.local import LocalStack, StackSpec, envoy_binary
-from extproc.stack.processes import wait_until
 
 log = structlog.get_logger("bench")
 
@@ -74,17 +73,14 @@ def _sample(stack: LocalStack, started: float) -> dict[str, float]:
 
 
 def _warm(stack: LocalStack) -> None:
-    """One request first: Envoy opens its access log stream to the router with its first
-    entry, and until then the router counts a streamed request by the load feed instead
-    (docs/architecture.md); the run measures the steady state."""
+    """One request first, and in streamed mode one on every Envoy worker: each opens its
+    access log stream to the router with its first entry, and until then the router
+    counts a streamed request by the load feed instead (docs/architecture.md); the run
+    measures the steady state."""
     body = {"model": "sim-model", "max_tokens": 1, "messages": [{"role": "user", "content": "w"}]}
     httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=30).raise_for_status()
     if stack.spec.body_mode == "streamed":
-        wait_until(
-            lambda: (stack.router_metric("prefix_router_access_log_streams") or 0) >= 1,
-            10,
-            "Envoy's access log stream to the router",
-        )
+        stack.open_completion_logs()
 
 
 async def _drive(stack: LocalStack, options: LongStreamOptions) -> dict[str, Any]:

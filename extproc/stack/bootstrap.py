@@ -264,8 +264,11 @@ def _completion_logs(params: BootstrapParams) -> list[dict[str, Any]]:
                     "log_name": "prefix_router_completions",
                     "grpc_service": {"envoy_grpc": {"cluster_name": f"{COMPLETIONS_CLUSTER}_{i}"}},
                     "transport_api_version": "V3",
-                    # A completion logged late counts the request in flight for longer.
+                    # A completion logged late counts its request in flight against the
+                    # next ones: each entry goes at once (0 turns batching off), and the
+                    # flush interval only bounds a batch were that ever changed.
                     "buffer_flush_interval": "0.01s",
+                    "buffer_size_bytes": 0,
                 },
             },
         }

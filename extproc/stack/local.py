@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import sys
 import tempfile
+import time
 import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -382,6 +384,57 @@ class LocalStack:
     def router_metric(self, name: str, replica: int = 0) -> float | None:
         """One unlabelled sample from a router replica's /metrics, or None."""
         return scrape_metric(self.replica_metrics_url(replica), name)
+
+    def envoy_workers(self) -> int:
+        """Envoy's worker threads (its --concurrency: the machine's cores by default)."""
+        with urllib.request.urlopen(f"{self.admin_url}/server_info", timeout=2) as response:
+            return int(json.load(response)["command_line_options"]["concurrency"])
+
+    def open_completion_logs(self, timeout_s: float = 15.0) -> None:
+        """Have every Envoy worker open its access log stream to every router endpoint.
+
+        With streams that end at the decision, a router learns that a request finished
+        from Envoy's access log, and each Envoy worker opens its stream with its own
+        first entry; until then the router holds the worker's requests by the load-feed
+        estimate (one scrape round). Sends small requests, each on a new connection, which
+        the kernel spreads over the workers, until every endpoint counts a stream per
+        worker, then waits for the estimate to empty. At most 200 requests and
+        ``timeout_s``."""
+        workers = self.envoy_workers()
+        endpoints = range(len(self.router_addresses))
+        body = json.dumps(
+            {"model": "sim-model", "max_tokens": 1, "messages": [{"role": "user", "content": "w"}]}
+        ).encode()
+
+        def all_open() -> bool:
+            return all(
+                (self.router_metric("prefix_router_access_log_streams", e) or 0) >= workers
+                for e in endpoints
+            )
+
+        deadline = time.monotonic() + timeout_s
+        for _ in range(200):
+            if all_open() or time.monotonic() > deadline:
+                break
+            request = urllib.request.Request(
+                f"{self.url}/v1/chat/completions",
+                data=body,
+                headers={"content-type": "application/json", "connection": "close"},
+            )
+            with urllib.request.urlopen(request, timeout=10) as response:
+                response.read()
+        if not all_open():
+            raise StackError(
+                f"Envoy's {workers} workers did not all open an access log stream to each "
+                f"router endpoint in {timeout_s:g} s"
+            )
+        wait_until(
+            lambda: all(
+                self.router_metric("prefix_router_unseen_decisions", e) == 0 for e in endpoints
+            ),
+            max(1.0, deadline - time.monotonic()),
+            "the routers' unseen-decision estimate to empty",
+        )
 
     def start_router(self, replica: int = 0) -> ManagedProcess:
         """Start one router replica and return once it knows the whole fleet."""

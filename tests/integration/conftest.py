@@ -8,7 +8,6 @@ import httpx
 import pytest
 
 from extproc.stack.local import LocalStack, StackSpec
-from extproc.stack.processes import wait_until
 
 # Simulators answer max_tokens=1 at once and hold max_tokens=N for about N * 20 ms,
 # which lets a test keep requests in flight on purpose.
@@ -38,25 +37,12 @@ def stack(request) -> Iterator[LocalStack]:
     )
     with LocalStack(spec) as running:
         if body_mode == "streamed":
-            open_completion_log(running)
+            # Envoy's workers open their access log streams to the router with their
+            # first entries; until then the router counts a streamed request by the
+            # load-feed estimate (tests/adapter/test_unseen.py), which holds a short
+            # request for a scrape round. These tests are about the steady state.
+            running.open_completion_logs()
         yield running
-
-
-def open_completion_log(stack: LocalStack) -> None:
-    """Envoy opens its access log stream to the router with its first entry; until then
-    the router counts a streamed request by the load-feed estimate, which holds a short
-    request for up to a scrape round (tests/adapter/test_unseen.py). These tests are about
-    the steady state: one request first, then wait for the log and an empty estimate."""
-    body = {"model": "sim-model", "max_tokens": 1, "messages": [{"role": "user", "content": "w"}]}
-    httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=30).raise_for_status()
-    wait_until(
-        lambda: (
-            (stack.router_metric("prefix_router_access_log_streams") or 0) >= 1
-            and stack.router_metric("prefix_router_unseen_decisions") == 0
-        ),
-        15,
-        "Envoy's access log stream to the router",
-    )
 
 
 def streams_end_at_decision(stack: LocalStack) -> bool:

@@ -69,6 +69,35 @@ def wait_for_router_hosts(stack: LocalStack, count: int, timeout: float = 10) ->
     )
 
 
+def wait_for_load_in_feed(stack: LocalStack, host: str, running: int, timeout: float = 10) -> None:
+    """Until ``host`` reports ``running`` requests running and the router has taken two
+    load-feed rounds since: one may have been scraped before the host's load changed."""
+    wait_until(
+        lambda: host_running(host) == running,
+        timeout,
+        f"{host} to run {running} requests",
+    )
+    rounds = load_rounds(stack)
+    wait_until(lambda: load_rounds(stack) >= rounds + 2, timeout, "two load-feed rounds")
+
+
+def host_running(host: str) -> float:
+    """vLLM's running requests, as ``host`` reports them (summed over its models)."""
+    text = httpx.get(f"http://{host}/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_running "))
+    )
+
+
+def load_rounds(stack: LocalStack) -> float:
+    for line in httpx.get(stack.router_metrics_url).text.splitlines():
+        if line.startswith('prefix_router_fleet_updates_total{kind="load"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 class Traffic:
     """Background requests over a rotating set of prefixes, bounded in count and time."""
 

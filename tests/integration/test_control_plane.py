@@ -19,6 +19,7 @@ from .fleet_helpers import (
     moved_fraction,
     placements,
     wait_for_envoy_hosts,
+    wait_for_load_in_feed,
     wait_for_router_hosts,
 )
 
@@ -134,14 +135,18 @@ def test_saturated_host_sheds_its_prefixes_until_its_load_drops(stack: LocalStac
         ]
         for thread in threads:
             thread.start()
-        time.sleep(0.5)  # a few feed rounds
+        wait_for_load_in_feed(stack, target, running=5)
         during = placements(stack, mine)
         for thread in threads:
             thread.join(timeout=30)
     assert target not in during.values()
-    time.sleep(0.5)  # the feed reports the host idle again
+    wait_for_load_in_feed(stack, target, running=0)  # the feed reports the host idle again
     recovered = placements(stack, mine)
-    assert set(recovered.values()) == {target}
+    # Each document is now cached on two hosts, its home and where it overflowed; of two
+    # holders the less loaded wins, and at equal load the plain rendezvous order, in
+    # which a document placed by cache-pressure weights may come second on its home.
+    assert all(recovered[d] in (target, during[d]) for d in mine), (during, recovered)
+    assert target in recovered.values(), (during, recovered)
     overflows = httpx.get(stack.router_metrics_url).text
     assert 'prefix_router_overflows_total{strategy="PREFIX_AWARE"}' in overflows
 

@@ -76,6 +76,8 @@ def test_streamed_bodies_log_completions_to_each_router_process():
     ]  # fmt: skip
     # One log, to one router each: every router sees its own requests complete.
     assert addresses == list(routers)
+    # Each entry at once: a batch would count finished requests in flight for a flush.
+    assert all(log["typed_config"]["common_config"]["buffer_size_bytes"] == 0 for log in logs)
     # BUFFERED_PARTIAL streams last as long as their requests: no log needed.
     buffered = build_bootstrap(BootstrapParams(routers=routers))
     manager = buffered["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]

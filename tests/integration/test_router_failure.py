@@ -10,7 +10,6 @@ from extproc.stack.local import LocalStack
 from extproc.stack.processes import wait_until
 
 from .conftest import fleet
-from .test_routing_through_envoy import envoy_stat
 
 
 def test_router_down_then_back(stack: LocalStack, client):
@@ -39,22 +38,32 @@ def test_router_down_then_back(stack: LocalStack, client):
     # new router decides every request. It starts with an empty index, and the requests
     # that failed open have shifted the hosts' cache pressure, so the prompt's new home
     # need not be the old one; it is one host, every time.
+    # Back in the path is what a probe shows: Envoy's health check readmits the router
+    # within its interval (1 s), and its gauges said healthy while its worker still
+    # answered "no healthy upstream" (a run here failed all three requests open).
+    probe = {**body, "messages": [{"role": "user", "content": "probe"}]}
     wait_until(
-        lambda: envoy_stat(stack, "cluster.prefix_router.membership_healthy") == 1,
+        lambda: decided(stack, client.post("/v1/chat/completions", json=probe)),
         10,
-        "Envoy's health check to readmit the router",
+        "the restarted router to decide a request",
     )
+    probes = decisions_made(stack)
     after = []
     for _ in range(3):
         after.append(client.post("/v1/chat/completions", json=body))
         # With STREAMED bodies, decisions made before Envoy's access log has reconnected
         # count as load until their host's next scrape (0.25 s): let them, at threshold 2.
         time.sleep(0.3)
-    assert all(r.status_code == 200 for r in after)
-    assert len({r.headers["x-served-by"] for r in after}) == 1
+    assert all(r.status_code == 200 for r in after), router_state(stack)
+    assert len({r.headers["x-served-by"] for r in after}) == 1, router_state(stack)
     assert after[0].headers["x-served-by"] in fleet(stack)
-    assert decisions_made(stack) == 3
+    assert decisions_made(stack) == probes + 3, router_state(stack)
     assert home in fleet(stack)
+
+
+def decided(stack: LocalStack, response: httpx.Response) -> bool:
+    """Whether the router has decided any request yet (``response`` is the latest)."""
+    return decisions_made(stack) > 0
 
 
 def decisions_made(stack: LocalStack) -> float:
@@ -63,3 +72,24 @@ def decisions_made(stack: LocalStack) -> float:
         if line.startswith("prefix_router_decisions_total{"):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def router_state(stack: LocalStack) -> str:
+    """For a failure's message: the router's decision, load and completion samples,
+    Envoy's ext_proc and router-cluster stats, and the tails of both logs."""
+    wanted = (
+        "prefix_router_decisions_total{",
+        "prefix_router_in_flight_requests{",
+        "prefix_router_unseen_decisions",
+        "prefix_router_access_log_streams",
+        "prefix_router_completions_total",
+        "prefix_router_load_feed_age_seconds",
+    )
+    router = httpx.get(stack.router_metrics_url).text.splitlines()
+    envoy = httpx.get(f"{stack.admin_url}/stats?filter=ext_proc|prefix_router\\.").text
+    return "\n".join(
+        [line for line in router if line.startswith(wanted)]
+        + [line for line in envoy.splitlines() if line.split(": ")[-1] not in ("0", "")]
+        + stack.router_log_path(0).read_text().splitlines()[-10:]
+        + (stack.work_dir / "envoy.log").read_text().splitlines()[-10:]
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 
@@ -174,3 +175,19 @@ async def test_ext_proc_streams_follow_decisions_not_responses(stack: LocalStack
             break
         await asyncio.sleep(0.05)
     assert in_flight(stack) == {}
+
+
+def test_every_envoy_worker_logs_its_completions_to_the_router(stack: LocalStack):
+    """Streams that end at the decision: each Envoy worker has its own access log stream to
+    the router (the fixture opened them all), so requests on new connections, which land on
+    any worker, all come back done. Streams that end with the response need no log."""
+    streams = stack.router_metric("prefix_router_access_log_streams")
+    assert streams == (stack.envoy_workers() if streams_end_at_decision(stack) else 0)
+    for n in range(12):  # a new connection each: spread over the workers
+        assert httpx.post(f"{stack.url}/v1/chat/completions", json=chat(f"w{n}")).is_success
+    for _ in range(40):
+        if not in_flight(stack):
+            break
+        time.sleep(0.05)
+    assert in_flight(stack) == {}
+    assert stack.router_metric("prefix_router_unseen_decisions") == 0
