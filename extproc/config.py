@@ -33,7 +33,7 @@ from extproc.schema import (
     validated,
 )
 
-__all__ = ["ENV_PREFIX", "LOG_LEVELS", "PrefixMatch", "RouterConfig", "load_config"]
+__all__ = ["ENV_PREFIX", "LOG_LEVELS", "EventLoop", "PrefixMatch", "RouterConfig", "load_config"]
 
 ENV_PREFIX = "PREFIX_ROUTER_"
 
@@ -45,6 +45,14 @@ class StreamEnd(StrEnum):
     RESPONSE = "response"
     # The router closes it once it has answered: Envoy holds nothing for a long response.
     DECISION = "decision"
+
+
+class EventLoop(StrEnum):
+    """The asyncio event loop the router's gRPC server runs on."""
+
+    ASYNCIO = "asyncio"
+    # libuv's loop (uvloop): measured side by side in docs/benchmarks/overhead.md.
+    UVLOOP = "uvloop"
 
 
 class PrefixMatch(StrEnum):
@@ -210,6 +218,11 @@ class RouterConfig(FrozenModel):
         1,
         ge=1,
         le=64,
+    )
+    event_loop: EventLoop = described(
+        "The event loop the router runs on: asyncio's own, or uvloop (libuv). See "
+        "docs/benchmarks/overhead.md for what each costs per request.",
+        EventLoop.ASYNCIO,
     )
     log_level: LogLevel = described("The lowest level logged.", "info")
 

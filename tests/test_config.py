@@ -48,6 +48,7 @@ def test_env_hosts_are_comma_separated():
         ({"listen": "nowhere"}, "listen", "ip:port"),
         ({"workers": 0}, "workers", "1 to 64"),
         ({"workers": 65}, "workers", "1 to 64"),
+        ({"event_loop": "trio"}, "event_loop", "uvloop"),
         ({"colour": "red"}, "colour", "a known field"),
     ],
 )

@@ -21,7 +21,7 @@ from extproc.adapter.access_log import AccessLogSink
 from extproc.adapter.fleet_client import FleetClient
 from extproc.adapter.phases import RequestStream
 from extproc.adapter.routing import Router
-from extproc.config import RouterConfig, StreamEnd, load_config
+from extproc.config import EventLoop, RouterConfig, StreamEnd, load_config
 from extproc.errors import ConfigError
 from extproc.filewatch import FileWatcher
 from extproc.picker.hosts import HostSet
@@ -124,7 +124,14 @@ class ConfigReloader:
     rejected with a log line and the old config stays. Addresses need a restart.
     """
 
-    RESTART_FIELDS = ("listen", "metrics_listen", "control_plane", "cluster", "workers")
+    RESTART_FIELDS = (
+        "listen",
+        "metrics_listen",
+        "control_plane",
+        "cluster",
+        "workers",
+        "event_loop",
+    )
 
     def __init__(self, router: Router, path: Path, overrides: Mapping[str, Any]) -> None:
         self._router = router
@@ -166,6 +173,27 @@ class ConfigReloader:
             self.check()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=interval_s)
+
+
+def run(
+    config: RouterConfig,
+    config_path: Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    on_listening: Callable[[], None] | None = None,
+) -> None:
+    """``serve`` on the event loop the config names, until it stops."""
+    with asyncio.Runner(loop_factory=_loop_factory(config.event_loop)) as runner:
+        runner.run(
+            serve(config, config_path=config_path, overrides=overrides, on_listening=on_listening)
+        )
+
+
+def _loop_factory(kind: EventLoop) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    if kind is EventLoop.UVLOOP:
+        import uvloop
+
+        return uvloop.new_event_loop
+    return None  # asyncio's default
 
 
 async def serve(
@@ -227,6 +255,7 @@ async def serve(
         strategy=config.routing_strategy.value,
         control_plane=config.control_plane,
         hosts=len(router.hosts),
+        event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0],
     )
 
     loop = asyncio.get_running_loop()

@@ -74,19 +74,15 @@ def _worker_main(
     parent: int,
     listening: EventType,
 ) -> None:
-    import asyncio
-
     from extproc import logs
-    from extproc.adapter.service import serve
+    from extproc.adapter.service import run
     from extproc.config import load_config
 
     config = load_config(config_path, overrides=overrides)
     logs.configure(config.log_level)
     structlog.contextvars.bind_contextvars(worker=index)
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
-    asyncio.run(
-        serve(config, config_path=config_path, overrides=overrides, on_listening=listening.set)
-    )
+    run(config, config_path=config_path, overrides=overrides, on_listening=listening.set)
 
 
 @dataclass

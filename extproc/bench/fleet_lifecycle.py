@@ -12,8 +12,9 @@ from pathlib import Path
 import httpx
 
 from extproc.bench.fleet_options import FleetBenchOptions, simulator_args, stack_router_settings
-from extproc.bench.fleet_paths import REPLICAS, SESSION_HEADER
+from extproc.bench.fleet_paths import BODY_MODES, REPLICAS, SESSION_HEADER
 from extproc.control.loadfeed import parse_vllm_metrics
+from extproc.stack.bootstrap import BodyMode
 from extproc.stack.local import LocalStack, StackSpec, start_envoy
 from extproc.stack.processes import ManagedProcess, free_port, free_ports, http_ok, wait_until
 
@@ -44,6 +45,8 @@ class Fleet:
         self.stack: LocalStack | None = None
         self.ring_hash_url: str | None = None
         self.ring_hash_admin_url: str | None = None
+        # (URL, admin URL) of the Envoy in front of the routers for each other body mode.
+        self.body_mode_urls: dict[str, tuple[str, str]] = {}
         self._extra: list[ManagedProcess] = []
 
     def adopt(self, process: ManagedProcess) -> ManagedProcess:
@@ -64,6 +67,8 @@ class Fleet:
         )
         self.stack = LocalStack(spec).start()
         self._start_ring_hash(self.stack)
+        for mode in sorted({BODY_MODES[p] for p in self.options.paths if p in BODY_MODES}):
+            self._start_body_mode_envoy(self.stack, mode)
 
     def _start_simulators(self) -> None:
         argv = [sys.executable, "-m", "extproc", "sim", *simulator_args(self.options)]
@@ -92,6 +97,24 @@ class Fleet:
         )
         self.ring_hash_url = f"http://127.0.0.1:{listen}"
         self.ring_hash_admin_url = f"http://127.0.0.1:{admin}"
+
+    def _start_body_mode_envoy(self, stack: LocalStack, body_mode: BodyMode) -> None:
+        """The stack's Envoy again, in front of the same routers and EDS, in ``body_mode``."""
+        listen, admin = free_ports(2)
+        params = replace(
+            stack.bootstrap_params(),
+            body_mode=body_mode,
+            listen=("127.0.0.1", listen),
+            admin=("127.0.0.1", admin),
+        )
+        self.adopt(start_envoy(f"envoy-{body_mode}", params, self.work / "stack"))
+        admin_url = f"http://127.0.0.1:{admin}"
+        wait_until(
+            lambda: stack.envoy_hosts(admin_url=admin_url) == set(self.addresses),
+            30,
+            f"the fleet in the {body_mode} Envoy",
+        )
+        self.body_mode_urls[body_mode] = (f"http://127.0.0.1:{listen}", admin_url)
 
     def set_time_scale(self, value: float) -> None:
         """Every simulator's time_scale, changed at run time (sim-only endpoint)."""

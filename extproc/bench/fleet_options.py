@@ -13,6 +13,7 @@ from extproc.bench.fleet_paths import (
     OUR_STRATEGIES,
     PEERS,
     RING_HASH,
+    STREAMED,
     TWO_REPLICAS,
 )
 from extproc.bench.workloads import WorkloadSpec
@@ -51,11 +52,12 @@ class FleetBenchOptions:
 
 
 def default_paths(workload: str) -> tuple[str, ...]:
-    """Every path; the hot spot adds PREFIX_AWARE without overflow, to show what it buys."""
+    """Every path; the hot spot adds PREFIX_AWARE without overflow, to show what it buys,
+    and behind a streamed-body Envoy, to show overflow still protects the tail there."""
     paths = FleetBenchOptions.paths
     if workload == "hot-spot":
         at = paths.index("PREFIX_AWARE") + 1
-        paths = (*paths[:at], NO_OVERFLOW, *paths[at:])
+        paths = (*paths[:at], NO_OVERFLOW, STREAMED, *paths[at:])
     return paths
 
 

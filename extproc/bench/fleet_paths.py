@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from extproc.stack.bootstrap import BodyMode
 from extproc.stack.processes import ManagedProcess, free_ports, wait_until
 
 if TYPE_CHECKING:
@@ -23,10 +24,14 @@ NO_OVERFLOW = "PREFIX_AWARE-no-overflow"
 FIXED = "PREFIX_AWARE-fixed"
 # The default, with two router replicas that Envoy spreads the ext_proc streams over.
 TWO_REPLICAS = "PREFIX_AWARE-two-replicas"
+# The default behind an Envoy that streams the body: one answer, a stream that ends with
+# the decision, and in-flight counts from Envoy's access log. The hot spot compares it.
+STREAMED = "PREFIX_AWARE-streamed"
 OUR_PATHS: dict[str, dict[str, Any]] = {
     **{strategy: {"routing_strategy": strategy} for strategy in OUR_STRATEGIES},
     FIXED: {"routing_strategy": "PREFIX_AWARE", "prefix_match": "fixed"},
     TWO_REPLICAS: {"routing_strategy": "PREFIX_AWARE"},
+    STREAMED: {"routing_strategy": "PREFIX_AWARE"},
     NO_OVERFLOW: {
         "routing_strategy": "PREFIX_AWARE",
         "concurrency_threshold": 1024,
@@ -34,6 +39,8 @@ OUR_PATHS: dict[str, dict[str, Any]] = {
     },
 }
 REPLICAS = {TWO_REPLICAS: 2}
+# Paths behind their own Envoy, with this body mode (the rest: the stack's, buffered).
+BODY_MODES: dict[str, BodyMode] = {STREAMED: "streamed"}
 RING_HASH = "envoy-ring-hash"
 PEERS = {
     "vllm-router-cache-aware": ("vllm-router", "cache_aware"),
@@ -44,9 +51,14 @@ SESSION_HEADER = "x-session-id"
 
 
 def our_paths_document(paths: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """Each of our paths in ``paths``: the router settings it runs with and its replicas."""
+    """Each of our paths in ``paths``: the router settings it runs with, its replicas and
+    the body mode of the Envoy in front of it."""
     return {
-        path: {"settings": dict(OUR_PATHS[path]), "replicas": REPLICAS.get(path, 1)}
+        path: {
+            "settings": dict(OUR_PATHS[path]),
+            "replicas": REPLICAS.get(path, 1),
+            "body_mode": BODY_MODES.get(path, "buffered-partial"),
+        }
         for path in paths
         if path in OUR_PATHS
     }
@@ -90,6 +102,10 @@ def path_url(fleet: Fleet, path: str) -> str | None:
     if path in OUR_PATHS:
         stack.write_router_config(**OUR_PATHS[path])
         stack.restart_routers(REPLICAS.get(path, 1))
+        if path in BODY_MODES:
+            url, admin_url = fleet.body_mode_urls[BODY_MODES[path]]
+            stack.open_completion_logs(url=url, admin_url=admin_url)
+            return url
         return stack.url
     if path == RING_HASH:
         return fleet.ring_hash_url

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.bench import report
-from extproc.bench.fleet_paths import NO_OVERFLOW, TWO_REPLICAS
+from extproc.bench.fleet_paths import NO_OVERFLOW, STREAMED, TWO_REPLICAS
 from extproc.bench.fleet_results import PathResult, path_result
 from extproc.bench.workloads import WorkloadSpec, describe
 
@@ -92,6 +92,7 @@ def render_report(document: Document) -> str:
     sections = (
         _replicas_section(document, results)
         + _hot_spot_section(document, results)
+        + _streamed_section(results)
         + _overhead_section(document, results)
         + _closed_loop_section(document, results)
     )
@@ -180,6 +181,40 @@ balance bound costs `overload_cost` {router["overload_cost"]} of a prompt per re
 {_hot_spot_table(on, off)}
 
 The simulated instances run with `{" ".join(document["simulator"]["args"])}`.
+"""
+
+
+def _streamed_section(results: list[PathResult]) -> str:
+    """PREFIX_AWARE behind a streamed-body Envoy against the buffered one (and, where run,
+    without overflow): whether load still comes back in time to protect the tail."""
+    ran = _ran(results)
+    buffered, streamed = ran.get("PREFIX_AWARE"), ran.get(STREAMED)
+    if buffered is None or streamed is None:
+        return ""
+    compared = [("PREFIX_AWARE (buffered)", buffered), (STREAMED, streamed)]
+    off = ran.get(NO_OVERFLOW)
+    if off is not None:
+        compared.append((NO_OVERFLOW, off))
+    rows: list[list[object]] = [
+        [f"TTFT p{round(q * 100)} (ms)", *(f"{r.percentile(q):.0f}" for _, r in compared)]
+        for q in (0.5, 0.9, 0.99)
+    ]
+    rows.append(["hit rate", *(f"{r.hit_rate:.1%}" for _, r in compared)])
+    rows.append(
+        ["busiest instance's share", *(f"{max(r.shares.values()):.1%}" for _, r in compared)]
+    )
+    rows.append(["overflow", *(f"{r.overflow_rate or 0:.1%}" for _, r in compared)])
+    table = report.markdown_table(["", *(name for name, _ in compared)], rows)
+    p99 = _ratio(streamed.percentile(0.99), buffered.percentile(0.99))
+    return f"""
+## Streamed bodies
+
+`{STREAMED}` is the same router behind an Envoy that streams the body
+(`--body-mode streamed`): one answer per request, the ext_proc stream ends with the
+decision, and the router counts a request in flight until Envoy's access log reports it
+done. TTFT p99 {p99} against the buffered path.
+
+{table}
 """
 
 
@@ -273,7 +308,10 @@ def _our_paths_lines(our_paths: dict[str, Any]) -> str:
     for path, spec in our_paths.items():
         settings = ", ".join(f"`{k}` {_setting(v)}" for k, v in spec["settings"].items())
         replicas = f", {spec['replicas']} router replicas" if spec["replicas"] != 1 else ""
-        lines.append(f"  - `{path}`: {settings}{replicas}")
+        # Runs stored before body modes were recorded all ran buffered-partial.
+        body_mode = spec.get("body_mode", "buffered-partial")
+        mode = f", Envoy body mode {body_mode}" if body_mode != "buffered-partial" else ""
+        lines.append(f"  - `{path}`: {settings}{replicas}{mode}")
     return "\n".join(lines)
 
 

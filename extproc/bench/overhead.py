@@ -26,9 +26,15 @@ log = structlog.get_logger("bench")
 
 # envoy+router: BUFFERED_PARTIAL, two round trips; envoy+router streamed: the body sent
 # without waiting, one answer carrying the decision, and the stream ends there;
-# envoy+router 2 workers: BUFFERED_PARTIAL to `router --workers 2`, two endpoints.
-PATHS = ("direct", "envoy", "envoy+router", "envoy+router streamed", "envoy+router 2 workers")
-ROUTER_PATHS = ("envoy+router", "envoy+router streamed", "envoy+router 2 workers")
+# envoy+router 2 workers: BUFFERED_PARTIAL to `router --workers 2`, two endpoints;
+# envoy+router uvloop: BUFFERED_PARTIAL to a router with event_loop: uvloop.
+ROUTER_PATHS = (
+    "envoy+router",
+    "envoy+router streamed",
+    "envoy+router 2 workers",
+    "envoy+router uvloop",
+)
+PATHS = ("direct", "envoy", *ROUTER_PATHS)
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,23 @@ def measure(options: OverheadOptions) -> dict[tuple[str, int], list[wrk.WrkResul
                 routers=(("127.0.0.1", workers_grpc), ("127.0.0.1", workers_grpc + 1)),
             )
             workers_envoy = start_envoy("envoy-2-workers", workers_params, work)
+            # The one-process router on uvloop, behind a fourth Envoy.
+            uvloop_grpc, uvloop_metrics, uvloop_listen, uvloop_admin = free_ports(4)
+            uvloop_router = start_router(
+                "router-uvloop",
+                work,
+                ("127.0.0.1", uvloop_grpc),
+                ("127.0.0.1", uvloop_metrics),
+                spec.control_plane,
+                settings={"event_loop": "uvloop"},
+            )
+            uvloop_params = replace(
+                stack.bootstrap_params(),
+                listen=("127.0.0.1", uvloop_listen),
+                admin=("127.0.0.1", uvloop_admin),
+                routers=(("127.0.0.1", uvloop_grpc),),
+            )
+            uvloop_envoy = start_envoy("envoy-uvloop", uvloop_params, work)
             try:
                 host, port = spec.backends[0]
                 urls = {
@@ -108,6 +131,7 @@ def measure(options: OverheadOptions) -> dict[tuple[str, int], list[wrk.WrkResul
                     "envoy+router": stack.url,
                     "envoy+router streamed": f"http://127.0.0.1:{streamed_listen}",
                     "envoy+router 2 workers": f"http://127.0.0.1:{workers_listen}",
+                    "envoy+router uvloop": f"http://127.0.0.1:{uvloop_listen}",
                 }
                 script = wrk.post_script(
                     work / "post.lua",
@@ -132,6 +156,8 @@ def measure(options: OverheadOptions) -> dict[tuple[str, int], list[wrk.WrkResul
                             )
                             results.setdefault((path, connections), []).append(result)
             finally:
+                uvloop_envoy.stop()
+                uvloop_router.stop()
                 workers_envoy.stop()
                 workers_router.stop()
                 streamed.stop()
@@ -220,6 +246,25 @@ def best_router_path(summary: dict[tuple[str, int], dict[str, float]]) -> str:
     return min(paths, key=lambda p: summary[(p, 1)]["p50"])
 
 
+def uvloop_verdict(
+    summary: dict[tuple[str, int], dict[str, float]], concurrencies: list[int]
+) -> str:
+    """uvloop against asyncio's loop, the same one-process BUFFERED_PARTIAL router."""
+    if not all(("envoy+router uvloop", c) in summary for c in concurrencies):
+        return ""
+    parts = []
+    for connections in concurrencies:
+        envoy = summary[("envoy", connections)]
+        plain = summary[("envoy+router", connections)]
+        uv = summary[("envoy+router uvloop", connections)]
+        parts.append(
+            f"at c={connections} it adds {uv['p50'] - envoy['p50']:+.2f} ms at p50 against "
+            f"{plain['p50'] - envoy['p50']:+.2f} ms, with {uv['rps'] / plain['rps']:.2f}x "
+            "the throughput"
+        )
+    return " On uvloop instead of asyncio's loop, the one-process router: " + "; ".join(parts) + "."
+
+
 def render(data: dict[str, Any]) -> str:
     """The report, from the stored run alone."""
     options = data["options"]
@@ -267,6 +312,7 @@ def render(data: dict[str, Any]) -> str:
                 f" At c={high_load} the path with the most throughput, `{fastest}`, keeps "
                 f"{ratio:.2f} of plain Envoy's: it {met_rps} the target."
             )
+    verdict += uvloop_verdict(summary, concurrencies)
     low, high = SAGEMAKER_OVERHEAD_MS
     return f"""# Routing overhead
 
@@ -279,7 +325,8 @@ headers (two round trips per request), and `envoy+router streamed`, where measur
 it STREAMED without waiting, so the router's one answer carries the decision and the
 stream ends there (one round trip); `envoy+router 2 workers`, where measured, is the
 BUFFERED_PARTIAL path to `prefix-router router --workers 2` (two processes, two endpoints
-of the ext_proc cluster). The backends answer at once, so the differences are
+of the ext_proc cluster); `envoy+router uvloop`, where measured, is the BUFFERED_PARTIAL path
+to one router process with `event_loop: uvloop`. The backends answer at once, so the differences are
 the proxy's and the router's cost. Client ([wrk](https://github.com/wg/wrk), one thread),
 Envoy, router and backends all share this machine's cores. Each cell is the median of
 {options["rounds"]} rounds of {options["duration_s"]:g} s; the paths run interleaved, in a

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 from pathlib import Path
 
 from extproc.cli.common import (
@@ -54,7 +53,7 @@ def register(commands: Commands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from extproc import logs
-    from extproc.adapter.service import serve
+    from extproc.adapter.service import run as run_router
     from extproc.config import load_config
 
     overrides = routing_overrides(args)
@@ -70,5 +69,5 @@ def run(args: argparse.Namespace) -> int:
         from extproc.adapter.workers import Supervisor
 
         return Supervisor(config, args.config, overrides).run()
-    asyncio.run(serve(config, config_path=args.config, overrides=overrides))
+    run_router(config, config_path=args.config, overrides=overrides)
     return 0

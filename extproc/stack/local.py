@@ -124,15 +124,17 @@ def start_router(
     metrics_listen: tuple[str, int],
     control_plane: tuple[str, int],
     workers: int = 1,
+    settings: dict[str, Any] | None = None,
 ) -> ManagedProcess:
-    """Run ``prefix-router router`` (``workers`` of it) fed by ``control_plane``; returns
-    once every worker knows a fleet."""
+    """Run ``prefix-router router`` (``workers`` of it, with any further ``settings``) fed
+    by ``control_plane``; returns once every worker knows a fleet."""
     config = work_dir / f"{name}.yaml"
     settings = {
         "listen": _join(listen),
         "metrics_listen": _join(metrics_listen),
         "control_plane": _join(control_plane),
         "workers": workers,
+        **(settings or {}),
     }
     config.write_text(yaml.safe_dump(settings, sort_keys=False))
     argv = [sys.executable, "-m", "extproc", "router", "--config", str(config)]
@@ -385,12 +387,16 @@ class LocalStack:
         """One unlabelled sample from a router replica's /metrics, or None."""
         return scrape_metric(self.replica_metrics_url(replica), name)
 
-    def envoy_workers(self) -> int:
-        """Envoy's worker threads (its --concurrency: the machine's cores by default)."""
-        with urllib.request.urlopen(f"{self.admin_url}/server_info", timeout=2) as response:
+    def envoy_workers(self, admin_url: str | None = None) -> int:
+        """Envoy's worker threads (its --concurrency: the machine's cores by default), of
+        the stack's Envoy or the one at ``admin_url``."""
+        admin_url = admin_url or self.admin_url
+        with urllib.request.urlopen(f"{admin_url}/server_info", timeout=2) as response:
             return int(json.load(response)["command_line_options"]["concurrency"])
 
-    def open_completion_logs(self, timeout_s: float = 15.0) -> None:
+    def open_completion_logs(
+        self, timeout_s: float = 15.0, url: str | None = None, admin_url: str | None = None
+    ) -> None:
         """Have every Envoy worker open its access log stream to every router endpoint.
 
         With streams that end at the decision, a router learns that a request finished
@@ -399,8 +405,10 @@ class LocalStack:
         estimate (one scrape round). Sends small requests, each on a new connection, which
         the kernel spreads over the workers, until every endpoint counts a stream per
         worker, then waits for the estimate to empty. At most 200 requests and
-        ``timeout_s``."""
-        workers = self.envoy_workers()
+        ``timeout_s``. ``url`` and ``admin_url``: another Envoy in front of the routers.
+        Each endpoint must count that Envoy's streams alone (none open from another)."""
+        workers = self.envoy_workers(admin_url)
+        url = url or self.url
         endpoints = range(len(self.router_addresses))
         body = json.dumps(
             {"model": "sim-model", "max_tokens": 1, "messages": [{"role": "user", "content": "w"}]}
@@ -417,7 +425,7 @@ class LocalStack:
             if all_open() or time.monotonic() > deadline:
                 break
             request = urllib.request.Request(
-                f"{self.url}/v1/chat/completions",
+                f"{url}/v1/chat/completions",
                 data=body,
                 headers={"content-type": "application/json", "connection": "close"},
             )
@@ -500,9 +508,11 @@ class LocalStack:
                 self.envoy,
             )
 
-    def envoy_hosts(self, cluster: str = "vllm") -> set[str]:
-        """Addresses Envoy has in ``cluster``, from its admin /clusters page."""
-        with urllib.request.urlopen(f"{self.admin_url}/clusters", timeout=2) as response:
+    def envoy_hosts(self, cluster: str = "vllm", admin_url: str | None = None) -> set[str]:
+        """Addresses Envoy (the stack's, or the one at ``admin_url``) has in ``cluster``,
+        from its admin /clusters page."""
+        admin_url = admin_url or self.admin_url
+        with urllib.request.urlopen(f"{admin_url}/clusters", timeout=2) as response:
             text = response.read().decode()
         return {
             line.split("::")[1]

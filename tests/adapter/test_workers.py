@@ -57,14 +57,18 @@ def alive(pid: int) -> bool:
     return not out.stdout.decode().startswith("Z")
 
 
-def start_supervisor(tmp_path: Path, workers: int, base: int) -> subprocess.Popen[bytes]:
+def start_supervisor(
+    tmp_path: Path, workers: int, base: int, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     command = [
         sys.executable, "-m", "extproc", "router", "--workers", str(workers),
         "--listen", f"127.0.0.1:{base}", "--metrics-listen", f"127.0.0.1:{base + workers}",
         *(arg for host in HOSTS for arg in ("--host", host)),
     ]  # fmt: skip
     with (tmp_path / "router.log").open("wb") as log:
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
 
 
 @pytest.mark.timeout(120)
@@ -134,3 +138,16 @@ def test_a_worker_that_cannot_start_stops_them_all_with_an_error(tmp_path):
         blocker.wait()
     log = (tmp_path / "router.log").read_text()
     assert '"event": "router_worker_failed_to_start"' in log and '"worker": 1' in log
+
+
+@pytest.mark.timeout(60)
+def test_every_worker_runs_on_the_configured_event_loop(tmp_path):
+    base = free_port_run(4)
+    supervisor = start_supervisor(tmp_path, 2, base, env={"PREFIX_ROUTER_EVENT_LOOP": "uvloop"})
+    try:
+        wait_until(lambda: metrics_up(base + 2) and metrics_up(base + 3), 30, "both workers")
+    finally:
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(timeout=60) == 0
+    log = (tmp_path / "router.log").read_text()
+    assert log.count('"event_loop": "uvloop"') == 2

@@ -10,7 +10,13 @@ def test_fleet_benchmark_compares_paths_and_writes_reports(tmp_path):
     spec = WorkloadSpec(name="long-context", rate_per_s=6, duration_s=8, documents=10)
     options = FleetBenchOptions(
         workload=spec,
-        paths=("RANDOM", "PREFIX_AWARE", "envoy-ring-hash", "smg-cache-aware"),
+        paths=(
+            "RANDOM",
+            "PREFIX_AWARE",
+            "PREFIX_AWARE-streamed",
+            "envoy-ring-hash",
+            "smg-cache-aware",
+        ),
         out_dir=tmp_path,
         closed_loop_concurrency=8,
         closed_loop_requests=16,
@@ -21,6 +27,8 @@ def test_fleet_benchmark_compares_paths_and_writes_reports(tmp_path):
     assert not any(r.skipped for r in results.values())  # the peers are test dependencies
     assert all(r.failures == 0 and len(r.outcomes) > 20 for r in results.values())
     assert results["PREFIX_AWARE"].hit_rate > results["RANDOM"].hit_rate + 0.2
+    # Behind its own Envoy that streams bodies, the same router keeps the affinity.
+    assert results["PREFIX_AWARE-streamed"].hit_rate > results["RANDOM"].hit_rate + 0.2
     assert results["PREFIX_AWARE"].percentile(0.5) < results["RANDOM"].percentile(0.5)
     assert abs(sum(results["RANDOM"].shares.values()) - 1) < 1e-9
     text = (tmp_path / "long-context.md").read_text()

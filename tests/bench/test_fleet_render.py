@@ -227,6 +227,29 @@ def test_hot_spot_section_from_the_document():
     assert "7.5" not in section and "70B" not in section
 
 
+def test_streamed_section_compares_the_body_modes_from_the_document():
+    document = _document(
+        [
+            _result("PREFIX_AWARE", [50] * 10, 0.9, (0.4, 0.6), overflow_rate=0.2),
+            _result("PREFIX_AWARE-streamed", [60] * 10, 0.85, (0.45, 0.55), overflow_rate=0.25),
+            _result("PREFIX_AWARE-no-overflow", [200] * 10, 0.95, (0.1, 0.9), overflow_rate=0.0),
+        ],
+        workload="hot-spot",
+    )
+    text = fleet_render.render_report(document)
+    section = text.split("## Streamed bodies")[1].split("## Workload")[0]
+    assert "TTFT p99 +20% against the buffered path" in section
+    assert "| TTFT p50 (ms) | 50 | 60 | 200 |" in section
+    assert "| busiest instance's share | 60.0% | 55.0% | 90.0% |" in section
+    assert "| overflow | 20.0% | 25.0% | 0.0% |" in section
+    assert (
+        "`PREFIX_AWARE-streamed`: `routing_strategy` PREFIX_AWARE, Envoy body mode streamed" in text
+    )
+    # Without the streamed path, no section.
+    document = _document([_result("PREFIX_AWARE", [50] * 4, 0.9)], workload="hot-spot")
+    assert "## Streamed bodies" not in fleet_render.render_report(document)
+
+
 def test_no_hot_spot_section_without_the_no_overflow_path():
     document = _document([_result("PREFIX_AWARE", [50] * 4, 0.9)], workload="hot-spot")
     assert "## Overflow against the hot spot" not in fleet_render.render_report(document)
@@ -350,6 +373,7 @@ def test_write_report_stores_the_run_then_renders_what_it_stored(tmp_path):
     assert document["our_paths"]["PREFIX_AWARE"] == {
         "settings": {"routing_strategy": "PREFIX_AWARE"},
         "replicas": 1,
+        "body_mode": "buffered-partial",
     }
     assert [path_result(r) for r in document["results"]] == results
     assert path.read_text() == fleet_render.render_report(document)

@@ -30,6 +30,7 @@ def test_overhead_benchmark_writes_table_and_plot(tmp_path):
         "| c=16 | envoy+router |",
         "| c=16 | envoy+router streamed |",
         "| c=16 | envoy+router 2 workers |",
+        "| c=16 | envoy+router uvloop |",
     ):
         assert path in text
     # No path may fail requests: every row's error count is 0.
@@ -39,7 +40,7 @@ def test_overhead_benchmark_writes_table_and_plot(tmp_path):
     # The report is a rendering of the stored run: rendering the JSON again gives it back.
     stored = json.loads((tmp_path / "overhead.json").read_text())
     assert stored["kind"] == "overhead"
-    assert len(stored["samples"]) == 5 * 2  # five paths at two concurrencies, one round
+    assert len(stored["samples"]) == 6 * 2  # six paths at two concurrencies, one round
     assert render(stored) == text
 
 
@@ -76,3 +77,25 @@ def test_the_verdict_is_computed_from_the_samples(routed_p50, verdict):
     # The verdict is the faster path's.
     added = routed_p50 - 0.6
     assert f"`envoy+router streamed`, adds {added:+.2f} ms at p50: it {verdict} the target" in text
+
+
+def test_the_uvloop_lever_is_compared_with_the_same_router_on_asyncio():
+    paths = (("envoy", 0.6, 1000), ("envoy+router", 2.6, 400), ("envoy+router uvloop", 2.1, 500))
+    samples = [
+        {**_sample(path, c, p50), "requests_per_s": rps}
+        for c in (1, 16)
+        for path, p50, rps in paths
+    ]
+    data = {
+        "kind": "overhead", "command": "prefix-router bench --workload overhead",
+        "options": {"duration_s": 1, "rounds": 1, "concurrencies": [1, 16],
+                    "body_bytes": 8192, "distinct_prompts": 16},
+        "samples": samples, "machine": "test", "envoy": "test", "wrk": "test",
+        "load_average_after": [0.5, 0.4, 0.3],
+    }  # fmt: skip
+    text = render(data)
+    assert "at c=1 it adds +1.50 ms at p50 against +2.00 ms, with 1.25x the throughput" in text
+    assert "| envoy+router uvloop | c=16 | +1.50 |" in text
+    # A run without the path says nothing of it.
+    data["samples"] = [s for s in samples if s["path"] != "envoy+router uvloop"]
+    assert "uvloop instead" not in render(data)
