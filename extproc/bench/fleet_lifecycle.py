@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -15,8 +14,8 @@ from extproc.bench.fleet_options import FleetBenchOptions, simulator_args, stack
 from extproc.bench.fleet_paths import BODY_MODES, REPLICAS, SESSION_HEADER
 from extproc.control.loadfeed import parse_vllm_metrics
 from extproc.stack.bootstrap import BodyMode
-from extproc.stack.local import LocalStack, StackSpec, start_envoy
-from extproc.stack.processes import ManagedProcess, free_port, free_ports, http_ok, wait_until
+from extproc.stack.local import LocalStack, StackSpec
+from extproc.stack.processes import ManagedProcess, free_port, http_ok, wait_until
 
 
 def reset_caches(addresses: Sequence[str]) -> None:
@@ -81,40 +80,30 @@ class Fleet:
 
     def _start_ring_hash(self, stack: LocalStack) -> None:
         """Envoy without ext_proc, consistent hashing on the session header, same EDS."""
-        listen, admin = free_ports(2)
-        ring_hash = replace(
-            stack.bootstrap_params(),
-            ext_proc=False,
-            ring_hash_header=SESSION_HEADER,
-            listen=("127.0.0.1", listen),
-            admin=("127.0.0.1", admin),
+        envoy, url, admin_url = stack.start_envoy_beside(
+            "envoy-ring-hash", self.work / "stack", ext_proc=False, ring_hash_header=SESSION_HEADER
         )
-        self.adopt(start_envoy("envoy-ring-hash", ring_hash, self.work / "stack"))
+        self.adopt(envoy)
         wait_until(
             lambda: stack.envoy_hosts() == set(self.addresses),
             30,
             "the fleet in the baseline Envoy",
         )
-        self.ring_hash_url = f"http://127.0.0.1:{listen}"
-        self.ring_hash_admin_url = f"http://127.0.0.1:{admin}"
+        self.ring_hash_url = url
+        self.ring_hash_admin_url = admin_url
 
     def _start_body_mode_envoy(self, stack: LocalStack, body_mode: BodyMode) -> None:
         """The stack's Envoy again, in front of the same routers and EDS, in ``body_mode``."""
-        listen, admin = free_ports(2)
-        params = replace(
-            stack.bootstrap_params(),
-            body_mode=body_mode,
-            listen=("127.0.0.1", listen),
-            admin=("127.0.0.1", admin),
+        envoy, url, admin_url = stack.start_envoy_beside(
+            f"envoy-{body_mode}", self.work / "stack", body_mode=body_mode
         )
-        self.adopt(start_envoy(f"envoy-{body_mode}", params, self.work / "stack"))
-        admin_url = f"http://127.0.0.1:{admin}"
+        self.adopt(envoy)
         wait_until(
             lambda: stack.envoy_hosts(admin_url=admin_url) == set(self.addresses),
             30,
             f"the fleet in the {body_mode} Envoy",
         )
-        self.body_mode_urls[body_mode] = (f"http://127.0.0.1:{listen}", admin_url)
+        self.body_mode_urls[body_mode] = (url, admin_url)
 
     def set_time_scale(self, value: float) -> None:
         """Every simulator's time_scale, changed at run time (sim-only endpoint)."""

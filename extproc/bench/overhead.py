@@ -12,14 +12,14 @@ import os
 import shlex
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from extproc.bench import report, wrk
-from extproc.stack.local import LocalStack, StackSpec, envoy_binary, start_envoy, start_router
+from extproc.stack.local import LocalStack, StackSpec, envoy_binary, start_router
 from extproc.stack.processes import free_port_run, free_ports
 
 log = structlog.get_logger("bench")
@@ -69,24 +69,14 @@ def measure(options: OverheadOptions) -> dict[tuple[str, int], list[wrk.WrkResul
             3, sim_args=("--ttft-ms", "0", "--itl-ms", "0"), upstream_host_header=False
         )
         with LocalStack(spec) as stack:
-            listen, admin = free_ports(2)
-            baseline_params = replace(
-                stack.bootstrap_params(),
-                ext_proc=False,
-                listen=("127.0.0.1", listen),
-                admin=("127.0.0.1", admin),
+            baseline, baseline_url, _ = stack.start_envoy_beside(
+                "envoy-baseline", work, ext_proc=False
             )
-            baseline = start_envoy("envoy-baseline", baseline_params, work)
             # The same router behind a second Envoy that streams the body: the router
             # reads the mode from each stream's first message.
-            streamed_listen, streamed_admin = free_ports(2)
-            streamed_params = replace(
-                stack.bootstrap_params(),
-                body_mode="streamed",
-                listen=("127.0.0.1", streamed_listen),
-                admin=("127.0.0.1", streamed_admin),
+            streamed, streamed_url, _ = stack.start_envoy_beside(
+                "envoy-streamed", work, body_mode="streamed"
             )
-            streamed = start_envoy("envoy-streamed", streamed_params, work)
             # A router of two workers, fed by the same control plane, behind a third Envoy.
             assert spec.control_plane is not None
             workers_grpc = free_port_run(4)
@@ -98,16 +88,13 @@ def measure(options: OverheadOptions) -> dict[tuple[str, int], list[wrk.WrkResul
                 spec.control_plane,
                 workers=2,
             )
-            workers_listen, workers_admin = free_ports(2)
-            workers_params = replace(
-                stack.bootstrap_params(),
-                listen=("127.0.0.1", workers_listen),
-                admin=("127.0.0.1", workers_admin),
+            workers_envoy, workers_url, _ = stack.start_envoy_beside(
+                "envoy-2-workers",
+                work,
                 routers=(("127.0.0.1", workers_grpc), ("127.0.0.1", workers_grpc + 1)),
             )
-            workers_envoy = start_envoy("envoy-2-workers", workers_params, work)
             # The one-process router on uvloop, behind a fourth Envoy.
-            uvloop_grpc, uvloop_metrics, uvloop_listen, uvloop_admin = free_ports(4)
+            uvloop_grpc, uvloop_metrics = free_ports(2)
             uvloop_router = start_router(
                 "router-uvloop",
                 work,
@@ -116,22 +103,18 @@ def measure(options: OverheadOptions) -> dict[tuple[str, int], list[wrk.WrkResul
                 spec.control_plane,
                 settings={"event_loop": "uvloop"},
             )
-            uvloop_params = replace(
-                stack.bootstrap_params(),
-                listen=("127.0.0.1", uvloop_listen),
-                admin=("127.0.0.1", uvloop_admin),
-                routers=(("127.0.0.1", uvloop_grpc),),
+            uvloop_envoy, uvloop_url, _ = stack.start_envoy_beside(
+                "envoy-uvloop", work, routers=(("127.0.0.1", uvloop_grpc),)
             )
-            uvloop_envoy = start_envoy("envoy-uvloop", uvloop_params, work)
             try:
                 host, port = spec.backends[0]
                 urls = {
                     "direct": f"http://{host}:{port}",
-                    "envoy": f"http://127.0.0.1:{listen}",
+                    "envoy": baseline_url,
                     "envoy+router": stack.url,
-                    "envoy+router streamed": f"http://127.0.0.1:{streamed_listen}",
-                    "envoy+router 2 workers": f"http://127.0.0.1:{workers_listen}",
-                    "envoy+router uvloop": f"http://127.0.0.1:{uvloop_listen}",
+                    "envoy+router streamed": streamed_url,
+                    "envoy+router 2 workers": workers_url,
+                    "envoy+router uvloop": uvloop_url,
                 }
                 script = wrk.post_script(
                     work / "post.lua",

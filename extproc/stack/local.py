@@ -484,6 +484,21 @@ class LocalStack:
         if router is not None:
             router.stop()
 
+    def start_envoy_beside(
+        self, name: str, work_dir: Path, **changes: Any
+    ) -> tuple[ManagedProcess, str, str]:
+        """Another Envoy like the stack's, on fresh listen and admin ports, with ``changes``
+        to its bootstrap; returns it, its URL and its admin URL."""
+        listen, admin = free_ports(2)
+        params = replace(
+            self.bootstrap_params(),
+            listen=("127.0.0.1", listen),
+            admin=("127.0.0.1", admin),
+            **changes,
+        )
+        envoy = start_envoy(name, params, work_dir)
+        return envoy, f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{admin}"
+
     def bootstrap_params(self) -> BootstrapParams:
         params = BootstrapParams(
             mode=self.spec.mode,
