@@ -21,8 +21,10 @@ from extproc.picker.decide import Strategy
 from extproc.picker.keys import KeyMode
 from extproc.schema import (
     LOG_LEVELS,
+    MAX_SOCKET_PATH_BYTES,
     Address,
     FrozenModel,
+    ListenAddress,
     LogLevel,
     Name,
     Number,
@@ -30,6 +32,7 @@ from extproc.schema import (
     env_values,
     finite,
     read_config_file,
+    socket_path,
     validated,
 )
 
@@ -204,25 +207,39 @@ class RouterConfig(FrozenModel):
         ge=0,
         le=8,
     )
-    listen: Address = described(
-        "The gRPC (ext_proc) address.", "127.0.0.1:50051", allowed="ip:port"
+    listen: ListenAddress = described(
+        "The gRPC (ext_proc) address: ip:port, or a Unix socket (unix:/absolute/path) for "
+        "an Envoy on the same machine or in the same pod (a shared volume).",
+        "127.0.0.1:50051",
+        allowed="ip:port or unix:/absolute/path",
     )
     metrics_listen: Address = described(
         "The Prometheus metrics address.", "127.0.0.1:9102", allowed="ip:port"
     )
     workers: StrictInt = described(
         "Router processes. grpc.aio serves from one core, so a router per core multiplies "
-        "its capacity: worker i listens on listen's port + i and metrics_listen's port + i, "
-        "and each is an endpoint of Envoy's ext_proc cluster (`envoy-config "
-        "--router-workers`). A worker that dies is restarted.",
+        "its capacity: worker i listens on listen's port + i (on a Unix socket: its path "
+        "with .i appended, from worker 1) and metrics_listen's port + i, and each is an "
+        "endpoint of Envoy's ext_proc cluster (`envoy-config --router-workers`). A worker "
+        "that dies is restarted.",
         1,
         ge=1,
         le=64,
     )
     event_loop: EventLoop = described(
-        "The event loop the router runs on: asyncio's own, or uvloop (libuv). See "
-        "docs/benchmarks/overhead.md for what each costs per request.",
-        EventLoop.ASYNCIO,
+        "The event loop the router runs on: uvloop (libuv), or asyncio's own. The Levers "
+        "table of docs/benchmarks/overhead.md measures one against the other.",
+        EventLoop.UVLOOP,
+    )
+    drain_timeout_s: Number = described(
+        "On SIGTERM, how long open ext_proc streams may take to finish before they are "
+        "cancelled (after the health checks have seen NOT_SERVING, up to 3 s). In "
+        "buffered-partial mode a stream lasts as long as its LLM response, so this is the "
+        "longest response a rollout lets finish; give the pod (terminationGracePeriodSeconds) "
+        "and Envoy's own drain (--drain-time-s) at least this plus 5 s.",
+        300.0,
+        ge=1.0,
+        le=3600.0,
     )
     log_level: LogLevel = described("The lowest level logged.", "info")
 
@@ -237,7 +254,19 @@ class RouterConfig(FrozenModel):
     @model_validator(mode="after")
     def _worker_ports_exist(self) -> RouterConfig:
         for name in ("listen", "metrics_listen"):
-            port = int(getattr(self, name).rpartition(":")[2])
+            address = getattr(self, name)
+            path = socket_path(address)
+            if path is not None:
+                last = f"{path}.{self.workers - 1}" if self.workers > 1 else path
+                if len(last.encode()) > MAX_SOCKET_PATH_BYTES:
+                    raise ConfigError(
+                        "workers",
+                        self.workers,
+                        f"fewer, or a shorter {name} path: worker {self.workers - 1} would "
+                        f"listen on {last}, over {MAX_SOCKET_PATH_BYTES} bytes",
+                    )
+                continue
+            port = int(address.rpartition(":")[2])
             if port + self.workers - 1 > 65535:
                 raise ConfigError(
                     "workers",

@@ -132,8 +132,16 @@ FEED_STALE = Counter(
 FLEET_UPDATES = Counter(
     "prefix_router_fleet_updates", "Host-set and load updates received", ["kind"]
 )
+CONTROL_PLANE_CONNECTED = Gauge(
+    "prefix_router_control_plane_connected",
+    "1 while the router's xDS stream to the control plane is up and has delivered the "
+    "fleet; 0 while it reconnects (the router places over the last set it received)",
+)
 CONFIG_RELOADS = Counter(
-    "prefix_router_config_reloads", "Config file reloads, by result", ["result"]
+    "prefix_router_config_reloads",
+    "Config file reloads, by result: applied, rejected (invalid; the old config stays), "
+    "failed (an unexpected error; the old config stays)",
+    ["result"],
 )
 
 # --- control plane

@@ -80,6 +80,38 @@ def _address(value: Any) -> str:
         raise _invalid(f"ip:port ({error})") from None
 
 
+# Where a Unix socket path may live: sun_path holds 108 bytes, one of them the final NUL.
+MAX_SOCKET_PATH_BYTES = 107
+UNIX_PREFIX = "unix:"
+
+
+def socket_path(address: str) -> str | None:
+    """The path of a ``unix:/path`` listen address, or None for ``ip:port``."""
+    return address[len(UNIX_PREFIX) :] if address.startswith(UNIX_PREFIX) else None
+
+
+def parse_listen_address(text: str) -> str:
+    """``ip:port`` (normalised) or ``unix:/absolute/path``; raise ValueError naming the
+    problem."""
+    path = socket_path(text.strip())
+    if path is None:
+        return parse_host_address(text)
+    if not path.startswith("/"):
+        raise ValueError(f"{text!r}: a Unix socket path must be absolute (unix:/run/router.sock)")
+    if len(path.encode()) > MAX_SOCKET_PATH_BYTES:
+        raise ValueError(f"{text!r}: a Unix socket path holds at most 107 bytes")
+    return UNIX_PREFIX + path
+
+
+def _listen_address(value: Any) -> str:
+    if not isinstance(value, str):
+        raise _invalid("an ip:port or unix:/path string")
+    try:
+        return parse_listen_address(value)
+    except ValueError as error:
+        raise _invalid(f"ip:port or unix:/absolute/path ({error})") from None
+
+
 def _dns_name(value: Any) -> str:
     host, _, port = str(value).rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -89,6 +121,8 @@ def _dns_name(value: Any) -> str:
 
 # An IP literal and a port, normalised ("[::1]:08000" -> "[::1]:8000").
 Address = Annotated[str, BeforeValidator(_address)]
+# An Address, or a Unix socket: ``unix:/absolute/path``.
+ListenAddress = Annotated[str, BeforeValidator(_listen_address)]
 # A DNS name and a port.
 DnsName = Annotated[str, BeforeValidator(_dns_name)]
 Name = Annotated[str, Strict(), Field(min_length=1)]
@@ -307,6 +341,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError("config file", str(path), f"valid YAML ({error})") from None
     except UnicodeDecodeError as error:
         raise ConfigError("config file", str(path), f"UTF-8 text ({error.reason})") from None
+    except RecursionError:
+        raise ConfigError("config file", str(path), "YAML nested less deeply") from None
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):

@@ -128,3 +128,33 @@ def test_workers_need_a_port_each_for_grpc_and_metrics():
         load_config(env={}, overrides={"workers": 4, "metrics_listen": "127.0.0.1:65533"})
     assert caught.value.field == "workers"
     assert "at most 3 with metrics_listen on port 65533" in str(caught.value)
+
+
+def test_the_router_listens_on_a_unix_socket_given_by_an_absolute_path():
+    config = load_config(env={}, overrides={"listen": "unix:/run/router.sock", "workers": 2})
+    assert config.listen == "unix:/run/router.sock"
+    for bad, why in (
+        ("unix:run/router.sock", "must be absolute"),
+        ("unix:/" + "a" * 107, "at most 107 bytes"),
+        ("/run/router.sock", "is not ip:port"),
+    ):
+        with pytest.raises(ConfigError) as caught:
+            load_config(env={}, overrides={"listen": bad})
+        assert caught.value.field == "listen" and why in str(caught.value), caught.value
+    # Worker i listens on the path + .i: the last worker's path must fit too.
+    with pytest.raises(ConfigError) as caught:
+        load_config(env={}, overrides={"listen": "unix:/" + "a" * 105, "workers": 10})
+    assert caught.value.field == "workers" and ".9, over 107 bytes" in str(caught.value)
+    # The metrics endpoint is HTTP on a port: a socket there is refused.
+    with pytest.raises(ConfigError) as caught:
+        load_config(env={}, overrides={"metrics_listen": "unix:/run/metrics.sock"})
+    assert caught.value.field == "metrics_listen"
+
+
+def test_the_drain_timeout_suits_llm_streams_and_is_bounded():
+    assert load_config(env={}).drain_timeout_s == 300.0
+    assert load_config(env={"PREFIX_ROUTER_DRAIN_TIMEOUT_S": "2.5"}).drain_timeout_s == 2.5
+    for bad in (0.5, 3601.0):
+        with pytest.raises(ConfigError) as caught:
+            load_config(env={}, overrides={"drain_timeout_s": bad})
+        assert caught.value.field == "drain_timeout_s"

@@ -18,7 +18,7 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
-from extproc import metrics
+from extproc import keepalive, metrics
 from extproc.adapter.routing import Router
 from extproc.control.resources import CLA_TYPE_URL, cla_to_fleet, cla_to_loads, is_load_resource
 from extproc.control.snapshot import LOAD_SUFFIX, SnapshotError
@@ -39,6 +39,10 @@ class FleetClient:
         self._target = target
         self._cluster = cluster
         self._node_id = f"prefix-router-{socket.gethostname()}-{id(self):x}"
+        # The current attempt of the current backoff (1: the first try after a session
+        # that received the fleet), and whether this session has received anything.
+        self.attempt = 0
+        self._received = False
 
     def _request(
         self, version: str = "", nonce: str = "", error: str | None = None
@@ -75,7 +79,8 @@ class FleetClient:
                 log.info("fleet_updated", hosts=sorted(hosts.addresses))
 
     async def _session(self) -> None:
-        async with grpc.aio.insecure_channel(self._target) as channel:
+        options = keepalive.channel_options()
+        async with grpc.aio.insecure_channel(self._target, options=options) as channel:
             call = channel.stream_stream(
                 ADS_METHOD,
                 request_serializer=discovery_pb2.DiscoveryRequest.SerializeToString,
@@ -88,6 +93,8 @@ class FleetClient:
                 if message is grpc.aio.EOF:
                     raise StreamEnded("the control plane closed the stream")
                 response: discovery_pb2.DiscoveryResponse = message
+                self._received = True
+                metrics.CONTROL_PLANE_CONNECTED.set(1)
                 try:
                     self.apply(response)
                 except (SnapshotError, ValueError) as error:
@@ -99,8 +106,20 @@ class FleetClient:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Stay subscribed until ``stop``; the last known set survives every outage."""
-        session: asyncio.Task[None] | None = None
         stopper = asyncio.create_task(stop.wait())
+        try:
+            # Each backoff ends with a session that received the fleet: after a healthy
+            # session the next outage is retried from the shortest delay again.
+            while not stop.is_set():
+                await self._retry_until_a_session_ends(stop, stopper)
+        finally:
+            stopper.cancel()
+
+    async def _retry_until_a_session_ends(
+        self, stop: asyncio.Event, stopper: asyncio.Task[bool]
+    ) -> None:
+        """Connect, with backoff, until a session that received something ends (or stop)."""
+        session: asyncio.Task[None] | None = None
         try:
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception_type(Exception),
@@ -108,21 +127,28 @@ class FleetClient:
                 reraise=True,
             ):
                 with attempt:
+                    self.attempt = attempt.retry_state.attempt_number
+                    self._received = False
                     session = asyncio.create_task(self._session())
                     await asyncio.wait({session, stopper}, return_when=asyncio.FIRST_COMPLETED)
                     if stop.is_set():
                         return
                     error = session.exception()
+                    metrics.CONTROL_PLANE_CONNECTED.set(0)
                     if error is not None:
                         log.warning(
                             "control_plane_unreachable",
                             target=self._target,
+                            attempt=self.attempt,
                             error=str(error)[:200],
                         )
+                        if self._received:
+                            return  # a healthy session ended: a fresh backoff
                         raise error
         finally:
-            stopper.cancel()
-            if session is not None and not session.done():
-                session.cancel()
+            if session is not None:
+                if not session.done():
+                    session.cancel()
+                # Awaited even when done: its error, if any, is taken and dropped here.
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await session

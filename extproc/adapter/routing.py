@@ -81,8 +81,8 @@ class Router:
     @config.setter
     def config(self, config: RouterConfig) -> None:
         """A new config (hot reload): the index starts afresh if what it holds changed."""
-        old, self._config = self._config, config
-        self._policy = load_policy(config)
+        policy = load_policy(config)  # before anything changes: a failure leaves the old
+        old, self._config, self._policy = self._config, config, policy
         self.unseen.max_age_s = config.load_feed_max_age_s
         if _index_settings(old) != _index_settings(config):
             self.index.clear()

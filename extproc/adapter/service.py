@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
+import socket
+import stat
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
@@ -15,7 +18,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
-from extproc import metrics
+from extproc import keepalive, metrics
 from extproc.adapter import messages
 from extproc.adapter.access_log import AccessLogSink
 from extproc.adapter.fleet_client import FleetClient
@@ -25,12 +28,11 @@ from extproc.config import EventLoop, RouterConfig, StreamEnd, load_config
 from extproc.errors import ConfigError
 from extproc.filewatch import FileWatcher
 from extproc.picker.hosts import HostSet
+from extproc.schema import socket_path
 
 log = structlog.get_logger("server")
 
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
-# How long SIGTERM waits for open streams (in-flight requests) before cancelling them.
-DRAIN_SECONDS = 30.0
 # How long SIGTERM keeps accepting new streams while waiting for a health check to report
 # NOT_SERVING (Envoy checks every second), so no stream is refused before Envoy moves on.
 DRAIN_NOTICE_SECONDS = 3.0
@@ -139,26 +141,37 @@ class ConfigReloader:
         self._overrides = dict(overrides)
 
     def check(self) -> bool:
+        """Apply the file's config if it changed; False if unchanged or refused. Whatever
+        goes wrong, the old config stays and the watch goes on."""
         if not self._watch.changed():
             return False
-        old = self._router.config
         try:
-            new = load_config(self._watch.path, overrides=self._overrides)
-            restart_only = list(self.RESTART_FIELDS)
-            if new.control_plane != old.control_plane:
-                # Switching between static hosts and a control plane needs a restart too.
-                restart_only.append("hosts")
-            kept = {f: getattr(old, f) for f in restart_only if getattr(new, f) != getattr(old, f)}
-            if kept:
-                log.warning("config_reload_needs_restart", fields=sorted(kept))
-                new = new.replace(**kept)
+            return self._reload()
         except ConfigError as error:
             metrics.CONFIG_RELOADS.labels("rejected").inc()
             log.error("config_reload_rejected", path=str(self._watch.path), error=str(error))
-            return False
-        if new.hosts != old.hosts and new.control_plane is None:
-            self._router.set_hosts(HostSet.of(new.hosts))
+        except Exception:  # a bug, or input nothing anticipated: never the reload task
+            metrics.CONFIG_RELOADS.labels("failed").inc()
+            log.exception("config_reload_failed", path=str(self._watch.path))
+        return False
+
+    def _reload(self) -> bool:
+        old = self._router.config
+        new = load_config(self._watch.path, overrides=self._overrides)
+        restart_only = list(self.RESTART_FIELDS)
+        if new.control_plane != old.control_plane:
+            # Switching between static hosts and a control plane needs a restart too.
+            restart_only.append("hosts")
+        kept = {f: getattr(old, f) for f in restart_only if getattr(new, f) != getattr(old, f)}
+        if kept:
+            log.warning("config_reload_needs_restart", fields=sorted(kept))
+            new = new.replace(**kept)
+        hosts = (
+            HostSet.of(new.hosts) if new.hosts != old.hosts and new.control_plane is None else None
+        )
         self._router.config = new
+        if hosts is not None:
+            self._router.set_hosts(hosts)
         metrics.CONFIG_RELOADS.labels("applied").inc()
         log.info(
             "config_reloaded",
@@ -182,18 +195,40 @@ def run(
     on_listening: Callable[[], None] | None = None,
 ) -> None:
     """``serve`` on the event loop the config names, until it stops."""
-    with asyncio.Runner(loop_factory=_loop_factory(config.event_loop)) as runner:
+    with asyncio.Runner(loop_factory=loop_factory(config.event_loop)) as runner:
         runner.run(
             serve(config, config_path=config_path, overrides=overrides, on_listening=on_listening)
         )
 
 
-def _loop_factory(kind: EventLoop) -> Callable[[], asyncio.AbstractEventLoop] | None:
+def loop_factory(kind: EventLoop) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """What makes the event loop ``kind`` for ``asyncio.Runner``."""
     if kind is EventLoop.UVLOOP:
         import uvloop
 
         return uvloop.new_event_loop
     return None  # asyncio's default
+
+
+def check_socket_path_free(path: str) -> None:
+    """Raise OSError if ``path`` is taken: by a file that is not a socket, or by a socket a
+    process still listens on. gRPC would unlink either and bind over it, so a second router
+    would silently take a running one's streams; a socket nobody listens on (a router that
+    was killed) is left for gRPC to replace."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise OSError(f"cannot listen on unix:{path}: it exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return
+    finally:
+        probe.close()
+    raise OSError(f"cannot listen on unix:{path}: another process is listening on it")
 
 
 async def serve(
@@ -212,6 +247,7 @@ async def serve(
             # gRPC's default 4 MiB cap would fail those streams.
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            *keepalive.server_options(),
         ]
     )
     stop = stop or asyncio.Event()
@@ -220,6 +256,9 @@ async def serve(
     )
     health_servicer = HealthService()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    path = socket_path(config.listen)
+    if path is not None:
+        check_socket_path_free(path)
     port = server.add_insecure_port(config.listen)
     if port == 0:
         raise OSError(f"cannot listen on {config.listen}")
@@ -269,7 +308,7 @@ async def serve(
         await health_servicer.enter_graceful_shutdown()
         log.info("router_draining", in_flight=router.in_flight.total())
         await health_servicer.drain_notice()
-        await server.stop(DRAIN_SECONDS)
+        await server.stop(router.config.drain_timeout_s)
         for task in background:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -30,6 +30,7 @@ from typing import Any
 import structlog
 
 from extproc.config import RouterConfig
+from extproc.schema import socket_path
 
 log = structlog.get_logger()
 
@@ -37,12 +38,16 @@ log = structlog.get_logger()
 # has stayed up for STABLE_S.
 RESTART_BACKOFF_S = (0.5, 30.0)
 STABLE_S = 60.0
-# How long a worker may take to drain after SIGTERM (the router's own drain is 10 s).
-STOP_TIMEOUT_S = 30.0
+# How long past its drain_timeout_s a worker may take to stop after SIGTERM: the health
+# checks' notice (up to 3 s), then closing down.
+STOP_MARGIN_S = 10.0
 
 
 def worker_address(address: str, index: int) -> str:
-    """``address`` with its port moved up by ``index``: where worker ``index`` listens."""
+    """``address`` with its port moved up by ``index``: where worker ``index`` listens. A
+    Unix socket's path gets ``.index`` appended instead (worker 0 keeps the path)."""
+    if socket_path(address) is not None:
+        return f"{address}.{index}" if index else address
     host, _, port = address.rpartition(":")
     return f"{host}:{int(port) + index}"
 
@@ -190,7 +195,7 @@ class Supervisor:
         alive = [w.process for w in self._workers if w.process.is_alive()]
         for process in alive:
             process.terminate()  # SIGTERM: the worker drains as a lone router does
-        deadline = time.monotonic() + STOP_TIMEOUT_S
+        deadline = time.monotonic() + self.config.drain_timeout_s + STOP_MARGIN_S
         for process in alive:
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():

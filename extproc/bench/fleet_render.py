@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from extproc.bench import report
+from extproc.bench import ceiling, report
 from extproc.bench.fleet_paths import NO_OVERFLOW, STREAMED, TWO_REPLICAS
 from extproc.bench.fleet_results import PathResult, path_result
 from extproc.bench.workloads import WorkloadSpec, describe
@@ -108,6 +108,8 @@ below).
 
 {_main_table(results)}
 
+{_ceiling_line(document)}
+
 ![TTFT CDF]({name}-ttft.png)
 ![hit rate and share]({name}-share.png)
 {sections}
@@ -116,6 +118,32 @@ below).
 {describe(WorkloadSpec(**workload))}
 
 {_method_section(document)}"""
+
+
+def _ceiling_line(document: Document) -> str:
+    """The hit-rate ceilings of the run's schedule, computed from its workload."""
+    found = ceiling.stored_ceiling(document)
+    workload = document["workload"]["name"]
+    if found is None:
+        return (
+            f"Ceiling: not computed, the `{workload}` workload no longer generates this run's "
+            f"{document['requests']} requests."
+        )
+    cap = f"{found.share_cap:.0%}"
+    if found.over_cap:
+        capped = (
+            f"with no instance above {cap} of requests, at most {found.capped_hit_rate:.1%}\n"
+            f"({found.busiest_group} carries {found.busiest_share:.1%} of them)."
+        )
+    else:
+        capped = (
+            f"no group carries more than {cap} of them (the busiest, {found.busiest_group}, "
+            f"{found.busiest_share:.1%}), so the\nbound is the same with no instance above {cap}."
+        )
+    return f"""**Ceiling** (computed from the workload by `extproc/bench/ceiling.py`): one
+instance with an unlimited cache would hit {found.hit_rate:.1%} of these requests' prompt
+tokens (cold misses only), an upper bound for any routing;
+{capped}"""
 
 
 render = render_report  # the name extproc.bench.report's registry of renderers calls

@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from extproc.bench.ceiling import SHARE_CAP, stored_ceiling
 
 PAGE = "README.md"
 OURS = "PREFIX_AWARE"
@@ -75,6 +77,18 @@ class Row:
     peer: str
     met: bool | None  # None: reported, no target
     reports: tuple[str, ...]
+    ceiling: str = ""  # hit-rate rows: the run's computed hit-rate ceilings
+
+
+def _ceiling_cell(run: dict[str, Any]) -> str:
+    """The run's hit-rate ceilings (``extproc.bench.ceiling``), or nothing if not computed."""
+    found = stored_ceiling(run)
+    if found is None:
+        return ""
+    cap = f"{found.share_cap:.0%}"
+    if not found.over_cap:
+        return f"{found.hit_rate:.1%} (the same with no instance above {cap})"
+    return f"{found.hit_rate:.1%}; at most {found.capped_hit_rate:.1%} with no instance above {cap}"
 
 
 def _percent(value: float) -> str:
@@ -91,10 +105,12 @@ def _fleet_row(
     target: str,
     bound: float | None = None,
     peer_by_hit_rate: bool = False,
+    with_ceiling: bool = False,
 ) -> Row | None:
     """One measure of our path against the best peer's in the same run (or, with
     ``peer_by_hit_rate``, against the peer with the best hit rate: a balance measure is
-    only worth comparing with a peer that also keeps the cache)."""
+    only worth comparing with a peer that also keeps the cache); ``with_ceiling`` adds the
+    run's hit-rate ceilings, for a hit-rate measure."""
     run = runs.get(report)
     ours = _result(run, OURS) if run else None
     if run is None or ours is None:
@@ -113,12 +129,13 @@ def _fleet_row(
         met = None
     else:
         met = value <= best[1] if lowest else value >= best[1]
-    return Row(measure, target, fmt(value), peer, met, (report,))
+    ceiling = _ceiling_cell(run) if with_ceiling else ""
+    return Row(measure, target, fmt(value), peer, met, (report,), ceiling)
 
 
 def _fleet_rows(runs: Runs, report: str, label: str) -> Iterable[Row | None]:
     yield _fleet_row(runs, report, f"{label} hit rate", lambda r: r["hit_rate"], _percent,
-                     False, "≥ best peer")  # fmt: skip
+                     False, "≥ best peer", with_ceiling=True)  # fmt: skip
     yield _fleet_row(runs, report, f"{label} busiest instance", _max_share, _percent, True,
                      "≤ 20%", bound=0.20, peer_by_hit_rate=True)  # fmt: skip
     yield _fleet_row(runs, report, f"{label} P90 TTFT", lambda r: _ttft_percentile(r, 0.9),
@@ -267,14 +284,15 @@ def rows(runs: Runs) -> list[Row]:
     found.append(_saturation_row(runs))
     found.append(
         _fleet_row(runs, "long-context-short-prefix", "long-context-short-prefix hit rate",
-                   lambda r: r["hit_rate"], _percent, False, "≥ 93%", bound=0.93)
+                   lambda r: r["hit_rate"], _percent, False, "≥ 93%", bound=0.93,
+                   with_ceiling=True)
     )  # fmt: skip
     conversations = runs.get("conversations")
     ring = _result(conversations, RING) if conversations else None
     if ring is not None:
         found.append(
             _fleet_row(runs, "conversations", "conversations hit rate", lambda r: r["hit_rate"],
-                       _percent, False, "≥ ring_hash", bound=ring["hit_rate"])
+                       _percent, False, "≥ ring_hash", bound=ring["hit_rate"], with_ceiling=True)
         )  # fmt: skip
     hot = runs.get("hot-spot")
     smg = _result(hot, "smg-cache-aware") if hot else None
@@ -286,7 +304,7 @@ def rows(runs: Runs) -> list[Row]:
         )  # fmt: skip
     found.append(
         _fleet_row(runs, "multi-tenant", "multi-tenant hit rate", lambda r: r["hit_rate"],
-                   _percent, False, "reported")
+                   _percent, False, "reported", with_ceiling=True)
     )  # fmt: skip
     found.append(_replicas_row(runs, "long-context", "long-context"))
     found.append(_replicas_row(runs, "conversations", "conversations"))
@@ -297,10 +315,7 @@ def rows(runs: Runs) -> list[Row]:
     found.append(_overhead_row(runs))
     result = [row for row in found if row is not None]
     # "reported" rows have no target to meet.
-    return [
-        Row(r.measure, r.target, r.ours, r.peer, None, r.reports) if r.target == "reported" else r
-        for r in result
-    ]
+    return [replace(r, met=None) if r.target == "reported" else r for r in result]
 
 
 def render(runs: Runs) -> str:
@@ -313,15 +328,17 @@ def render(runs: Runs) -> str:
             row.target,
             row.ours,
             row.peer,
+            row.ceiling,
             {True: "yes", False: "**no**", None: ""}[row.met],
             ", ".join(f"[{name}]({name}.md)" for name in row.reports),
         ]
         for row in found
     ]
     table = markdown_table(
-        ["measure", "target", "ours (PREFIX_AWARE, defaults)", "best peer", "target met", "report"],
+        ["measure", "target", "ours (PREFIX_AWARE, defaults)", "best peer", "hit-rate ceiling",
+         "target met", "report"],
         table_rows,
-    )
+    )  # fmt: skip
     judged = [row for row in found if row.met is not None]
     met = sum(bool(row.met) for row in judged)
     reports = sorted({"reliability" if name.startswith("reliability-") else name for name in runs})
@@ -347,6 +364,13 @@ instances.
 
 The best peer is the best, in the same run, of: {", ".join(SHORT[p] for p in PEERS)}
 (for the busiest instance: the one of them with the best hit rate).
+
+The hit-rate ceiling is computed from the run's workload by extproc/bench/ceiling.py, not
+measured: the hit rate of one instance with an unlimited cache serving every request in
+order (cold misses only), an upper bound for any routing; then an upper bound when no
+instance takes more than {SHARE_CAP:.0%} of the requests, as a group sharing a prefix
+(a document) that carries more than {SHARE_CAP:.0%} of them must then be prefilled on
+several instances.
 
 {table}
 

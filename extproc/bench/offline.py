@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from extproc.adapter.routing import Router
+from extproc.bench.served import output_tokens, serve
 from extproc.bench.workloads import BenchRequest
 from extproc.config import RouterConfig
 from extproc.control.model import HostLoad
@@ -30,8 +31,6 @@ from extproc.picker.hosts import HostSet
 from extproc.picker.placement import key_digest, placement_order
 from extproc.sim.cache import PrefixCache
 from extproc.sim.engine import EngineConfig
-from extproc.sim.prompt import prompt_text
-from extproc.sim.responses import reply_text
 
 SESSION_HASH = "session-hash"  # Envoy ring_hash on the session header, as in the fleet bench
 
@@ -149,10 +148,8 @@ def simulate(
             host = decision.primary
             outcomes[decision.outcome.value] += 1
         served[host] += 1
-        prompt = prompt_text("chat", request.body)
-        output = int(request.body.get("max_tokens", 16))
-        result = caches[host].lookup_and_insert(prompt)
-        caches[host].insert_output(prompt, reply_text(output, fleet.chars_per_token))
+        result = serve(caches[host], request)
+        output = output_tokens(request)
         queries += result.query_tokens
         hits += result.hit_tokens
         counters[host][0] += result.query_tokens

@@ -19,22 +19,51 @@ from typing import Any
 import structlog
 
 from extproc.bench import report, wrk
-from extproc.stack.local import LocalStack, StackSpec, envoy_binary, start_router
-from extproc.stack.processes import free_port_run, free_ports
+from extproc.picker.keys import READ_HEADERS
+from extproc.stack.local import (
+    LocalStack,
+    StackSpec,
+    envoy_binary,
+    envoy_counters,
+    start_router,
+)
+from extproc.stack.processes import ManagedProcess, free_port_run, free_ports, wait_until
 
 log = structlog.get_logger("bench")
 
 # envoy+router: BUFFERED_PARTIAL, two round trips; envoy+router streamed: the body sent
 # without waiting, one answer carrying the decision, and the stream ends there;
 # envoy+router 2 workers: BUFFERED_PARTIAL to `router --workers 2`, two endpoints;
-# envoy+router uvloop: BUFFERED_PARTIAL to a router with event_loop: uvloop.
+# envoy+router asyncio: BUFFERED_PARTIAL to a router with event_loop: asyncio; envoy+router
+# unix: to a router on a Unix socket; envoy+router fewer headers: Envoy forwards only the
+# headers the router reads (forward_rules).
 ROUTER_PATHS = (
     "envoy+router",
     "envoy+router streamed",
     "envoy+router 2 workers",
-    "envoy+router uvloop",
+    "envoy+router asyncio",
+    "envoy+router unix",
+    "envoy+router fewer headers",
 )
-PATHS = ("direct", "envoy", *ROUTER_PATHS)
+# A grpc.aio ext_proc server that answers every message with "go on" and decides nothing
+# (extproc/bench/noop_processor.py): the floor under any Python processor.
+FLOOR_PATH = "envoy+noop ext_proc"
+PATHS = ("direct", "envoy", FLOOR_PATH, *ROUTER_PATHS)
+# Envoy's ext_proc counters read after the run, per path: the streams the processor served,
+# and those that failed or timed out (each failed open and was placed by Envoy alone).
+EXT_PROC_STATS = ("streams_started", "streams_failed", "message_timeouts", "failure_mode_allowed")
+# One change each from `envoy+router`, measured against it in the same run.
+LEVERS = {
+    "envoy+router asyncio": "event_loop: asyncio's own loop instead of uvloop",
+    "envoy+router unix": "the ext_proc link over a Unix socket instead of TCP loopback",
+    "envoy+router fewer headers": "forward_rules: Envoy forwards only the "
+    f"{len(READ_HEADERS)} headers the router reads, not every request header",
+}
+# A lever pays when it adds this much less at p50 at c=1, or gives this much more
+# throughput at the highest concurrency, and is no worse than this on the other.
+LEVER_P50_GAIN_MS = 0.1
+LEVER_THROUGHPUT_GAIN = 1.05
+LEVER_TOLERANCE = 0.03
 
 
 @dataclass(frozen=True)
@@ -45,6 +74,25 @@ class OverheadOptions:
     body_bytes: int = 8192
     distinct_prompts: int = 16
     out_dir: Path = Path("docs/benchmarks")
+
+
+# What the OpenAI Python SDK sends with each request (besides Host and Content-Length), so
+# the headers Envoy forwards to the router are as many as in production.
+SDK_HEADERS = {
+    "Accept": "application/json",
+    "Accept-Encoding": "gzip, deflate",
+    "Authorization": "Bearer sk-proj-" + "x" * 156,
+    "Content-Type": "application/json",
+    "User-Agent": "OpenAI/Python 1.54.4",
+    "X-Stainless-Arch": "x64",
+    "X-Stainless-Async": "false",
+    "X-Stainless-Lang": "python",
+    "X-Stainless-OS": "Linux",
+    "X-Stainless-Package-Version": "1.54.4",
+    "X-Stainless-Retry-Count": "0",
+    "X-Stainless-Runtime": "CPython",
+    "X-Stainless-Runtime-Version": "3.11.7",
+}
 
 
 def chat_bodies(count: int, size: int) -> list[bytes]:
@@ -61,7 +109,7 @@ def chat_bodies(count: int, size: int) -> list[bytes]:
     return bodies
 
 
-def measure(options: OverheadOptions) -> dict[tuple[str, int], list[wrk.WrkResult]]:
+def measure(options: OverheadOptions) -> Measured:
     results: dict[tuple[str, int], list[wrk.WrkResult]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
         work = Path(tmp)
@@ -74,7 +122,7 @@ def measure(options: OverheadOptions) -> dict[tuple[str, int], list[wrk.WrkResul
             )
             # The same router behind a second Envoy that streams the body: the router
             # reads the mode from each stream's first message.
-            streamed, streamed_url, _ = stack.start_envoy_beside(
+            streamed, streamed_url, streamed_admin = stack.start_envoy_beside(
                 "envoy-streamed", work, body_mode="streamed"
             )
             # A router of two workers, fed by the same control plane, behind a third Envoy.
@@ -88,25 +136,65 @@ def measure(options: OverheadOptions) -> dict[tuple[str, int], list[wrk.WrkResul
                 spec.control_plane,
                 workers=2,
             )
-            workers_envoy, workers_url, _ = stack.start_envoy_beside(
+            workers_envoy, workers_url, workers_admin = stack.start_envoy_beside(
                 "envoy-2-workers",
                 work,
                 routers=(("127.0.0.1", workers_grpc), ("127.0.0.1", workers_grpc + 1)),
             )
-            # The one-process router on uvloop, behind a fourth Envoy.
-            uvloop_grpc, uvloop_metrics = free_ports(2)
-            uvloop_router = start_router(
-                "router-uvloop",
+            # The one-process router on asyncio's loop, behind a fourth Envoy.
+            asyncio_grpc, asyncio_metrics = free_ports(2)
+            asyncio_router = start_router(
+                "router-asyncio",
                 work,
-                ("127.0.0.1", uvloop_grpc),
-                ("127.0.0.1", uvloop_metrics),
+                ("127.0.0.1", asyncio_grpc),
+                ("127.0.0.1", asyncio_metrics),
                 spec.control_plane,
-                settings={"event_loop": "uvloop"},
+                settings={"event_loop": "asyncio"},
             )
-            uvloop_envoy, uvloop_url, _ = stack.start_envoy_beside(
-                "envoy-uvloop", work, routers=(("127.0.0.1", uvloop_grpc),)
+            asyncio_envoy, asyncio_url, asyncio_admin = stack.start_envoy_beside(
+                "envoy-asyncio", work, routers=(("127.0.0.1", asyncio_grpc),)
             )
+            # The one-process router on a Unix socket, behind a fifth Envoy.
+            socket_path = str(work / "router.sock")
+            (unix_metrics,) = free_ports(1)
+            unix_router = start_router(
+                "router-unix",
+                work,
+                socket_path,
+                ("127.0.0.1", unix_metrics),
+                spec.control_plane,
+            )
+            unix_envoy, unix_url, unix_admin = stack.start_envoy_beside(
+                "envoy-unix", work, routers=(socket_path,)
+            )
+            # The stack's router again, behind a sixth Envoy that forwards fewer headers.
+            headers_envoy, headers_url, headers_admin = stack.start_envoy_beside(
+                "envoy-fewer-headers", work, forward_headers=READ_HEADERS
+            )
+            # The floor: the noop processor behind a seventh Envoy.
+            (noop_grpc,) = free_ports(1)
+            noop = ManagedProcess(
+                "noop-processor",
+                [sys.executable, "-m", "extproc.bench.noop_processor",
+                 "--listen", f"127.0.0.1:{noop_grpc}"],
+                work / "noop-processor.log",
+            ).start()  # fmt: skip
+            noop_envoy, noop_url, noop_admin = stack.start_envoy_beside(
+                "envoy-noop", work, routers=(("127.0.0.1", noop_grpc),)
+            )
+            admins = {
+                FLOOR_PATH: noop_admin,
+                "envoy+router": stack.admin_url,
+                "envoy+router streamed": streamed_admin,
+                "envoy+router 2 workers": workers_admin,
+                "envoy+router asyncio": asyncio_admin,
+                "envoy+router unix": unix_admin,
+                "envoy+router fewer headers": headers_admin,
+            }
             try:
+                wait_until(
+                    lambda: _ext_proc_host_healthy(noop_admin), 30, "the noop processor", noop
+                )
                 host, port = spec.backends[0]
                 urls = {
                     "direct": f"http://{host}:{port}",
@@ -114,12 +202,16 @@ def measure(options: OverheadOptions) -> dict[tuple[str, int], list[wrk.WrkResul
                     "envoy+router": stack.url,
                     "envoy+router streamed": streamed_url,
                     "envoy+router 2 workers": workers_url,
-                    "envoy+router uvloop": uvloop_url,
+                    "envoy+router asyncio": asyncio_url,
+                    "envoy+router unix": unix_url,
+                    "envoy+router fewer headers": headers_url,
+                    FLOOR_PATH: noop_url,
                 }
                 script = wrk.post_script(
                     work / "post.lua",
                     "/v1/chat/completions",
                     chat_bodies(options.distinct_prompts, options.body_bytes),
+                    SDK_HEADERS,
                 )
                 for round_number in range(options.rounds):
                     # Rotate the order each round so no path always runs first.
@@ -138,19 +230,46 @@ def measure(options: OverheadOptions) -> dict[tuple[str, int], list[wrk.WrkResul
                                 rps=result.requests_per_s,
                             )
                             results.setdefault((path, connections), []).append(result)
+                stats = {
+                    path: _only(envoy_counters(admin, EXT_PROC_PREFIX), EXT_PROC_STATS)
+                    for path, admin in admins.items()
+                }
             finally:
-                uvloop_envoy.stop()
-                uvloop_router.stop()
+                noop_envoy.stop()
+                noop.stop()
+                headers_envoy.stop()
+                unix_envoy.stop()
+                unix_router.stop()
+                asyncio_envoy.stop()
+                asyncio_router.stop()
                 workers_envoy.stop()
                 workers_router.stop()
                 streamed.stop()
                 baseline.stop()
-    return results
+    return Measured(results, stats)
 
 
-def document(
-    options: OverheadOptions, results: dict[tuple[str, int], list[wrk.WrkResult]]
-) -> dict[str, Any]:
+EXT_PROC_PREFIX = "http.ingress.ext_proc."
+
+
+def _only(values: dict[str, float], names: tuple[str, ...]) -> dict[str, float]:
+    return {name: values.get(name, 0.0) for name in names}
+
+
+def _ext_proc_host_healthy(admin_url: str) -> bool:
+    healthy = envoy_counters(admin_url, "cluster.prefix_router.").get("membership_healthy", 0)
+    return healthy >= 1
+
+
+@dataclass(frozen=True)
+class Measured:
+    # wrk's samples by (path, connections), one per round.
+    results: dict[tuple[str, int], list[wrk.WrkResult]]
+    # Envoy's ext_proc counters after the run, per ext_proc path (see EXT_PROC_STATS).
+    ext_proc: dict[str, dict[str, float]]
+
+
+def document(options: OverheadOptions, measured: Measured) -> dict[str, Any]:
     """The stored run: every wrk sample, the options and the machine, all the report needs."""
     return {
         "kind": "overhead",
@@ -172,12 +291,15 @@ def document(
             "concurrencies": list(options.concurrencies),
             "body_bytes": options.body_bytes,
             "distinct_prompts": options.distinct_prompts,
+            # Names only: the values are the SDK's, the API key a dummy.
+            "request_headers": list(SDK_HEADERS),
         },
         "samples": [
             {"path": path, "connections": connections, **asdict(sample)}
-            for (path, connections), samples in results.items()
+            for (path, connections), samples in measured.results.items()
             for sample in samples
         ],
+        "ext_proc": measured.ext_proc,
         "machine": report.machine_description(),
         # Taken after the run: a load well above the client's one core means other work
         # shared the machine, and the latencies say so.
@@ -229,23 +351,138 @@ def best_router_path(summary: dict[tuple[str, int], dict[str, float]]) -> str:
     return min(paths, key=lambda p: summary[(p, 1)]["p50"])
 
 
-def uvloop_verdict(
+def rounds(data: dict[str, Any], path: str, connections: int) -> list[dict[str, Any]]:
+    """The samples of ``path`` at ``connections``, one per round, in round order."""
+    return [s for s in data["samples"] if s["path"] == path and s["connections"] == connections]
+
+
+@dataclass(frozen=True)
+class LeverEffect:
+    # Per round (paired with envoy+router's sample of the same round): p50 saved at the
+    # lowest concurrency (ms), and the throughput ratio at the highest.
+    saved_ms: tuple[float, ...]
+    throughput: tuple[float, ...]
+    base_p50_ms: float
+
+    @property
+    def verdict(self) -> str:
+        """``pays`` only where the median clears its threshold and every round agrees: on
+        a shared 2-core machine one round's noise is as large as any lever here."""
+        saved, ratio = report.median(self.saved_ms), report.median(self.throughput)
+        not_slower = saved >= -LEVER_TOLERANCE * self.base_p50_ms
+        faster = saved >= LEVER_P50_GAIN_MS and ratio >= 1 - LEVER_TOLERANCE
+        more = ratio >= LEVER_THROUGHPUT_GAIN and not_slower
+        if faster and all(g > 0 for g in self.saved_ms):
+            return "pays"
+        if more and all(r > 1 for r in self.throughput):
+            return "pays"
+        if faster or more:
+            return "mixed across rounds"
+        return "does not pay"
+
+
+def lever_effect(data: dict[str, Any], lever: str, concurrencies: list[int]) -> LeverEffect:
+    """A lever path against ``envoy+router`` in the same run, round by round."""
+    low, high = min(concurrencies), max(concurrencies)
+    base = "envoy+router"
+    pairs_low = list(zip(rounds(data, base, low), rounds(data, lever, low), strict=True))
+    pairs_high = list(zip(rounds(data, base, high), rounds(data, lever, high), strict=True))
+    return LeverEffect(
+        saved_ms=tuple(b["p50_ms"] - x["p50_ms"] for b, x in pairs_low),
+        throughput=tuple(x["requests_per_s"] / b["requests_per_s"] for b, x in pairs_high),
+        base_p50_ms=report.median(b["p50_ms"] for b, _ in pairs_low),
+    )
+
+
+def lever_section(data: dict[str, Any], concurrencies: list[int]) -> str:
+    """Each lever measured in the run, against the same router without it."""
+    summary = summarise(data)
+    levers = [lever for lever in LEVERS if all((lever, c) in summary for c in concurrencies)]
+    if not levers:
+        return ""
+    low, high = min(concurrencies), max(concurrencies)
+    rows = []
+    for lever in levers:
+        effect = lever_effect(data, lever, concurrencies)
+        added = [f"{-g:+.2f}" for g in effect.saved_ms]
+        ratios = [f"{r:.2f}x" for r in effect.throughput]
+        rows.append(
+            [f"`{lever}`", LEVERS[lever], f"{-report.median(effect.saved_ms):+.2f}",
+             ", ".join(added), f"{report.median(effect.throughput):.2f}x", ", ".join(ratios),
+             effect.verdict]
+        )  # fmt: skip
+    table = report.markdown_table(
+        ["path", "lever", f"p50 at c={low} vs envoy+router (ms)", "each round",
+         f"throughput at c={high} vs envoy+router", "each round", "verdict"],
+        rows,
+    )  # fmt: skip
+    return f"""
+## Levers
+
+Each lever path is `envoy+router` with one change, compared round by round with
+`envoy+router` in the same run (the paths of a round run back to back). A lever pays when
+the median takes at least {LEVER_P50_GAIN_MS} ms off the p50 at c={low}, or gives at least
+{LEVER_THROUGHPUT_GAIN:.2f}x the throughput at c={high}, without being worse by more than
+{LEVER_TOLERANCE:.0%} on the other, and every round agrees; where the median clears the bar
+but a round does not, the verdict is "mixed across rounds".
+
+{table}
+"""
+
+
+def floor_sentence(
     summary: dict[tuple[str, int], dict[str, float]], concurrencies: list[int]
 ) -> str:
-    """uvloop against asyncio's loop, the same one-process BUFFERED_PARTIAL router."""
-    if not all(("envoy+router uvloop", c) in summary for c in concurrencies):
+    """The noop processor against plain Envoy and against the router, where measured."""
+    if not all((FLOOR_PATH, c) in summary for c in concurrencies):
         return ""
-    parts = []
-    for connections in concurrencies:
-        envoy = summary[("envoy", connections)]
-        plain = summary[("envoy+router", connections)]
-        uv = summary[("envoy+router uvloop", connections)]
-        parts.append(
-            f"at c={connections} it adds {uv['p50'] - envoy['p50']:+.2f} ms at p50 against "
-            f"{plain['p50'] - envoy['p50']:+.2f} ms, with {uv['rps'] / plain['rps']:.2f}x "
-            "the throughput"
-        )
-    return " On uvloop instead of asyncio's loop, the one-process router: " + "; ".join(parts) + "."
+    low, high = min(concurrencies), max(concurrencies)
+    envoy, noop, routed = (summary[(p, low)] for p in ("envoy", FLOOR_PATH, "envoy+router"))
+    floor_p50, router_p50 = noop["p50"] - envoy["p50"], routed["p50"] - envoy["p50"]
+    floor_p99 = noop["p99"] - envoy["p99"]
+    throughput = summary[(FLOOR_PATH, high)]["rps"] / summary[("envoy", high)]["rps"]
+    routed_throughput = summary[("envoy+router", high)]["rps"] / summary[("envoy", high)]["rps"]
+    share = floor_p50 / router_p50 if router_p50 > 0 else float("nan")
+    return (
+        f"\n\n**The floor.** `{FLOOR_PATH}`, a grpc.aio ext_proc server that answers every "
+        f"message at once and decides nothing, in the same mode and behind the same Envoy "
+        f"config, adds {floor_p50:+.2f} ms at p50 and {floor_p99:+.2f} ms at p99 at c={low}, "
+        f"and keeps {throughput:.2f} of plain Envoy's throughput at c={high}. The router adds "
+        f"{router_p50:+.2f} ms at p50 and keeps {routed_throughput:.2f}: {share:.0%} of what "
+        f"it adds at c={low} is there before any routing code runs."
+    )
+
+
+def ext_proc_section(data: dict[str, Any]) -> str:
+    """Envoy's own count of each ext_proc path's streams, and of those that failed open."""
+    stats = data.get("ext_proc")
+    if not stats:
+        return ""
+    rows = []
+    failed_open = 0.0
+    for path, counts in stats.items():
+        failed = counts["streams_failed"] + counts["message_timeouts"]
+        failed_open += counts["failure_mode_allowed"]
+        rows.append(
+            [f"`{path}`", f"{counts['streams_started']:.0f}", f"{failed:.0f}",
+             f"{counts['failure_mode_allowed']:.0f}"]
+        )  # fmt: skip
+    table = report.markdown_table(
+        ["path", "ext_proc streams", "failed or timed out", "failed open"], rows
+    )
+    verdict = (
+        "No stream failed open: every request of every ext_proc path was answered by its processor."
+        if failed_open == 0
+        else f"{failed_open:.0f} streams failed open: Envoy placed those requests alone, "
+        "and the latencies of their paths understate the processor's cost."
+    )
+    return f"""
+## What Envoy counted
+
+Envoy's ext_proc counters on each path's Envoy after the run (`{EXT_PROC_PREFIX}*`). {verdict}
+
+{table}
+"""
 
 
 def render(data: dict[str, Any]) -> str:
@@ -295,22 +532,32 @@ def render(data: dict[str, Any]) -> str:
                 f" At c={high_load} the path with the most throughput, `{fastest}`, keeps "
                 f"{ratio:.2f} of plain Envoy's: it {met_rps} the target."
             )
-    verdict += uvloop_verdict(summary, concurrencies)
+    verdict += floor_sentence(summary, concurrencies)
+    levers = lever_section(data, concurrencies)
+    counted = ext_proc_section(data)
+    sent = options.get("request_headers")
+    headers = (
+        f" Requests carry the {len(sent)} headers the OpenAI Python SDK sends "
+        f"({', '.join(sent)}), besides Host and Content-Length."
+        if sent
+        else ""
+    )
     low, high = SAGEMAKER_OVERHEAD_MS
     return f"""# Routing overhead
 
 What the router adds to a request, measured as the same {options["body_bytes"]}-byte chat
-requests ({options["distinct_prompts"]} distinct prompts in rotation) sent three ways in one
+requests ({options["distinct_prompts"]} distinct prompts in rotation) sent several ways in one
 run: straight to a simulated backend (`direct`), through Envoy with no ext_proc (`envoy`),
+through Envoy with a processor that decides nothing (`{FLOOR_PATH}`, where measured),
 and through Envoy with the router deciding every request (PREFIX_AWARE, override-host
 mode): `envoy+router` sends the body BUFFERED_PARTIAL after the router has answered the
 headers (two round trips per request), and `envoy+router streamed`, where measured, sends
 it STREAMED without waiting, so the router's one answer carries the decision and the
 stream ends there (one round trip); `envoy+router 2 workers`, where measured, is the
 BUFFERED_PARTIAL path to `prefix-router router --workers 2` (two processes, two endpoints
-of the ext_proc cluster); `envoy+router uvloop`, where measured, is the BUFFERED_PARTIAL path
-to one router process with `event_loop: uvloop`. The backends answer at once, so the differences are
-the proxy's and the router's cost. Client ([wrk](https://github.com/wg/wrk), one thread),
+of the ext_proc cluster); the levers, where measured, are the BUFFERED_PARTIAL path with
+one change each (see below). The backends answer at once, so the differences are
+the proxy's and the router's cost.{headers} Client ([wrk](https://github.com/wg/wrk), one thread),
 Envoy, router and backends all share this machine's cores. Each cell is the median of
 {options["rounds"]} rounds of {options["duration_s"]:g} s; the paths run interleaved, in a
 rotating order.
@@ -322,7 +569,7 @@ rotating order.
 SageMaker publishes {low} to {high} ms of routing overhead; our targets are at most
 {TARGET_P50_MS} ms added at p50 and {TARGET_P99_MS} ms at p99 at c=1, and at least
 {TARGET_THROUGHPUT_RATIO} of plain Envoy's throughput at c=16.{verdict}
-
+{levers}{counted}
 ## All paths
 
 {paths_table}
@@ -373,15 +620,12 @@ def render_plots(data: dict[str, Any], out_dir: Path, name: str) -> None:
     plt.close(figure)
 
 
-def write_report(
-    options: OverheadOptions, results: dict[tuple[str, int], list[wrk.WrkResult]]
-) -> Path:
+def write_report(options: OverheadOptions, measured: Measured) -> Path:
     """Store the run as JSON, then render the report and the plot from what was stored."""
-    return report.write_rendered(options.out_dir, "overhead", document(options, results))
+    return report.write_rendered(options.out_dir, "overhead", document(options, measured))
 
 
 def run(options: OverheadOptions) -> Path:
-    results = measure(options)
-    path = write_report(options, results)
+    path = write_report(options, measure(options))
     print(path.read_text().split("## All paths")[0], file=sys.stdout)
     return path

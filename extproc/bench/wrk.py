@@ -6,9 +6,11 @@ on a 2-core machine where client, Envoy, router and backends share the cores.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,16 +63,29 @@ def parse(output: str) -> WrkResult:
     )
 
 
-def post_script(path: Path, request_path: str, bodies: list[bytes]) -> Path:
-    """A wrk Lua script that POSTs ``bodies`` in rotation."""
+def post_script(
+    path: Path,
+    request_path: str,
+    bodies: list[bytes],
+    headers: Mapping[str, str] | None = None,
+) -> Path:
+    """A wrk Lua script that POSTs ``bodies`` in rotation, with ``headers`` (JSON's
+    content type if none)."""
     literals = ",\n".join(f"[==[{b.decode()}]==]" for b in bodies)
+    fields = headers or {"Content-Type": "application/json"}
+    table = ", ".join(f"[{_lua_string(k)}] = {_lua_string(v)}" for k, v in fields.items())
     path.write_text(
         f"local bodies = {{\n{literals}\n}}\nlocal i = 0\n"
         "request = function()\n  i = i % #bodies + 1\n"
         f'  return wrk.format("POST", "{request_path}", '
-        '{["Content-Type"] = "application/json"}, bodies[i])\nend\n'
+        f"{{{table}}}, bodies[i])\nend\n"
     )
     return path
+
+
+def _lua_string(text: str) -> str:
+    # For printable ASCII, JSON's string escapes are a subset of Lua's.
+    return json.dumps(text)
 
 
 def run(url: str, script: Path, connections: int, duration_s: float) -> WrkResult:

@@ -33,6 +33,25 @@ def host_address(text: str) -> str:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def listen_address(text: str) -> str:
+    """A listen flag: ``ip:port`` or ``unix:/absolute/path``."""
+    from extproc.schema import parse_listen_address
+
+    try:
+        return parse_listen_address(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def router_endpoint(text: str) -> tuple[str, int] | str:
+    """A router Envoy connects to: ``ip:port`` as (ip, port), or ``unix:/path`` as the path."""
+    from extproc.schema import socket_path
+
+    address = listen_address(text)
+    path = socket_path(address)
+    return path if path is not None else ip_port(address)
+
+
 def ip_port(text: str) -> tuple[str, int]:
     """An ``ip:port`` flag as the (ip, port) pair Envoy's socket addresses take."""
     host, _, port = host_address(text).rpartition(":")

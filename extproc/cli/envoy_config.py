@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from extproc.cli.common import Commands, choices, ip_port, usage_error
-from extproc.stack.bootstrap import BODY_MODES, MODES, BootstrapParams
+from extproc.cli.common import Commands, choices, ip_port, router_endpoint, usage_error
+from extproc.stack.bootstrap import BODY_MODES, MODES, BootstrapParams, RouterEndpoint
 
 DESCRIPTION = (
     "Print an Envoy bootstrap. The backend cluster's hosts come from one place per mode: in "
@@ -40,10 +40,10 @@ def register(commands: Commands) -> None:
     parser.add_argument("--admin", type=ip_port, default=BootstrapParams.admin)
     parser.add_argument(
         "--router",
-        type=ip_port,
+        type=router_endpoint,
         action="append",
         default=[],
-        help="a router process, ip:port; repeatable",
+        help="a router process, ip:port or unix:/absolute/path (its Unix socket); repeatable",
     )
     parser.add_argument(
         "--router-workers",
@@ -51,7 +51,7 @@ def register(commands: Commands) -> None:
         default=1,
         metavar="N",
         help="each --router runs `router --workers N`: its endpoints are its port to port "
-        "+ N - 1 (default 1)",
+        "+ N - 1 (a socket: its path, then the path + .1 to + .N-1) (default 1)",
     )
     parser.add_argument(
         "--backend",
@@ -103,6 +103,13 @@ def _inapplicable(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _worker_endpoint(router: RouterEndpoint, index: int) -> RouterEndpoint:
+    """Where worker ``index`` of ``router --workers N`` listens (see worker_address)."""
+    if isinstance(router, str):
+        return f"{router}.{index}" if index else router
+    return router[0], router[1] + index
+
+
 def run(args: argparse.Namespace) -> int:
     from extproc.stack.bootstrap import render
 
@@ -115,9 +122,9 @@ def run(args: argparse.Namespace) -> int:
         )
     routers = tuple(args.router) or BootstrapParams.routers
     endpoints = tuple(
-        (host, port + i) for host, port in routers for i in range(args.router_workers)
+        _worker_endpoint(router, i) for router in routers for i in range(args.router_workers)
     )
-    if any(port > 65535 for _, port in endpoints):
+    if any(not isinstance(e, str) and e[1] > 65535 for e in endpoints):
         return usage_error("envoy-config", "--router-workers takes a --router port past 65535")
     params = BootstrapParams(
         mode=args.mode,

@@ -9,6 +9,7 @@ from extproc.cli.common import (
     Commands,
     add_routing_flags,
     host_address,
+    listen_address,
     routing_overrides,
 )
 
@@ -18,8 +19,8 @@ def register(commands: Commands) -> None:
     parser.add_argument("--config", type=Path, help="YAML config file")
     parser.add_argument(
         "--listen",
-        type=host_address,
-        help="gRPC listen address, ip:port (default 127.0.0.1:50051)",
+        type=listen_address,
+        help="gRPC listen address, ip:port or unix:/absolute/path (default 127.0.0.1:50051)",
     )
     parser.add_argument(
         "--metrics-listen",
@@ -45,7 +46,7 @@ def register(commands: Commands) -> None:
         type=int,
         metavar="N",
         help="router processes, worker i on the --listen and --metrics-listen ports + i "
-        "(default 1; one per core serves the most streams)",
+        "(a --listen socket's path + .i) (default 1; one per core serves the most streams)",
     )
     add_routing_flags(parser)
     parser.set_defaults(handler=run)

@@ -136,11 +136,17 @@ class Fleet:
         if self._config_watch is None or not self._config_watch.changed():
             return False
         try:
-            config = load_control_plane_config(self._config_watch.path)
+            return self._reload(self._config_watch.path)
         except ConfigError as error:
             metrics.CONFIG_RELOADS.labels("rejected").inc()
             log.error("config_reload_rejected", path=str(self._config_watch.path), error=str(error))
-            return False
+        except Exception:  # a bug, or input nothing anticipated: never the discovery loop
+            metrics.CONFIG_RELOADS.labels("failed").inc()
+            log.exception("config_reload_failed", path=str(self._config_watch.path))
+        return False
+
+    def _reload(self, path: Path) -> bool:
+        config = load_control_plane_config(path)
         restart = [
             name
             for name in ("listen", "metrics_listen", "cluster", "health", "load_feed")
@@ -149,10 +155,10 @@ class Fleet:
         if restart:
             log.warning("config_reload_needs_restart", fields=restart)
             config = config.replace(**{name: getattr(self.config, name) for name in restart})
+        discovery = Discovery(sources_for(config))  # before anything changes
+        self.config, self._discovery = config, discovery
         metrics.CONFIG_RELOADS.labels("applied").inc()
         log.info("config_reloaded", hosts=len(config.hosts), dns=len(config.dns))
-        self.config = config
-        self._discovery = Discovery(sources_for(config))
         return True
 
     async def discover(self) -> frozenset[str]:

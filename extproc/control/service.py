@@ -11,6 +11,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
+from extproc import keepalive
 from extproc.control.config import ControlPlaneConfig
 from extproc.control.fleet import Fleet
 from extproc.control.snapshot import LOAD_SUFFIX, SnapshotStore
@@ -24,7 +25,7 @@ async def serve(
 ) -> None:
     store = SnapshotStore()
     fleet = Fleet(config, store, config_path)
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=keepalive.server_options())
     xds = XdsServer(store, frozenset({config.cluster, config.cluster + LOAD_SUFFIX}))
     server.add_generic_rpc_handlers(xds.handlers())
     health_servicer = health.aio.HealthServicer()

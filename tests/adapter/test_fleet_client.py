@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
+import structlog.testing
 from prometheus_client import REGISTRY
 
 from extproc.adapter.fleet_client import FleetClient
@@ -167,6 +168,33 @@ async def test_client_keeps_the_last_set_and_reconnects(port: int) -> None:
         restarted.publish(fleet(PublishedHost(C), PublishedHost(D)))
         async with xds_server(restarted, port):
             await eventually(lambda: addresses(router) == {C, D})
+
+
+async def test_the_backoff_starts_over_after_a_session_that_received_the_fleet(
+    port: int,
+) -> None:
+    store = SnapshotStore()
+    store.publish(fleet(PublishedHost(A)))
+    router = make_router(port)
+    with structlog.testing.capture_logs() as logs:
+
+        def attempts() -> list[int]:
+            return [e["attempt"] for e in logs if e["event"] == "control_plane_unreachable"]
+
+        async with fleet_client(router, f"{CP_HOST}:{port}") as client:
+            # No control plane yet: each attempt waits longer than the one before.
+            await eventually(lambda: client.attempt >= 5)
+            async with xds_server(store, port):
+                await asyncio.wait_for(router.ready.wait(), timeout=PATIENCE_S)
+                healthy = client.attempt  # the attempt whose session got the fleet
+            # That session ends with the server: then two more failed attempts.
+            await eventually(
+                lambda: attempts().count(healthy) == 1 and len(attempts()) >= healthy + 2
+            )
+    seen = attempts()
+    # The session ended after it had received the fleet: the next outage is retried from
+    # the first, shortest delay, not the long one the earlier outage had reached.
+    assert seen[: healthy + 2] == [*range(1, healthy + 1), 1, 2], seen
 
 
 async def test_client_starts_before_the_control_plane(port: int) -> None:

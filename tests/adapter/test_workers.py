@@ -29,6 +29,9 @@ def test_worker_i_listens_on_the_ports_plus_i_and_runs_alone():
         "workers": 1,
     }
     assert worker_address("[::1]:7000", 1) == "[::1]:7001"
+    # A Unix socket: worker 0 keeps the path, worker i appends .i.
+    assert worker_address("unix:/run/r.sock", 0) == "unix:/run/r.sock"
+    assert worker_address("unix:/run/r.sock", 2) == "unix:/run/r.sock.2"
 
 
 def metrics_up(port: int) -> bool:
@@ -143,11 +146,11 @@ def test_a_worker_that_cannot_start_stops_them_all_with_an_error(tmp_path):
 @pytest.mark.timeout(60)
 def test_every_worker_runs_on_the_configured_event_loop(tmp_path):
     base = free_port_run(4)
-    supervisor = start_supervisor(tmp_path, 2, base, env={"PREFIX_ROUTER_EVENT_LOOP": "uvloop"})
+    supervisor = start_supervisor(tmp_path, 2, base, env={"PREFIX_ROUTER_EVENT_LOOP": "asyncio"})
     try:
         wait_until(lambda: metrics_up(base + 2) and metrics_up(base + 3), 30, "both workers")
     finally:
         supervisor.send_signal(signal.SIGTERM)
         assert supervisor.wait(timeout=60) == 0
     log = (tmp_path / "router.log").read_text()
-    assert log.count('"event_loop": "uvloop"') == 2
+    assert log.count('"event_loop": "asyncio"') == 2

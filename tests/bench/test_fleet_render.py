@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from extproc.bench import fleet, fleet_render, report
+from extproc.bench import ceiling, fleet, fleet_render, report
 from extproc.bench.fleet_results import ClosedLoopResult, PathResult, path_result
 from extproc.bench.loadgen import RequestOutcome
-from extproc.bench.workloads import WorkloadSpec
+from extproc.bench.workloads import WorkloadSpec, generate
 from extproc.config import RouterConfig
 
 BENCHMARKS = Path(__file__).parents[2] / "docs" / "benchmarks"
@@ -110,16 +110,17 @@ def _skipped(path):
 
 
 def _document(results, workload="long-context", **top):
+    spec = WorkloadSpec(name=workload, rate_per_s=8.0, duration_s=5.0)
     document = {
         "kind": "fleet",
         "format": 1,
         "name": "synthetic",
         "command": "prefix-router bench long-context --quick",
         "machine": "3 cores (Test CPU), 5 GiB, Linux test, Python 3.99",
-        "workload": asdict(WorkloadSpec(name=workload, rate_per_s=8.0, duration_s=5.0)),
+        "workload": asdict(spec),
         "instances": 2,
         "time_scale": 1.0,
-        "requests": 10,
+        "requests": len(generate(spec)),  # the ceiling replays the regenerated schedule
         "simulator": {
             "args": ["--timing", "model", "--time-scale", "1.0", "--capacity-blocks", "77"]
         },
@@ -169,6 +170,34 @@ def test_main_table_from_the_results():
     assert ours[11] == "-50%"  # p50 against RANDOM's
     assert ours[4] == "1.00"  # 10 requests over 10 s
     assert "## Throughput at saturation" not in text and "Routing overhead" not in text
+
+
+def test_the_ceiling_line_is_computed_from_the_workload():
+    document = _document([_result("PREFIX_AWARE", [50] * 4, 0.8)], workload="hot-spot")
+    found = ceiling.ceiling(generate(WorkloadSpec(**document["workload"])))
+    assert found.over_cap  # the hot document takes about half the requests
+    text = " ".join(fleet_render.render_report(document).split())
+    assert (
+        f"one instance with an unlimited cache would hit {found.hit_rate:.1%} of these "
+        "requests' prompt tokens (cold misses only)" in text
+    )
+    assert (
+        f"with no instance above 20% of requests, at most {found.capped_hit_rate:.1%} "
+        f"(doc-0 carries {found.busiest_share:.1%} of them)." in text
+    )
+
+
+def test_the_ceiling_line_says_when_no_group_is_over_the_cap():
+    document = _document([_result("PREFIX_AWARE", [50] * 4, 0.8)], workload="multi-tenant")
+    text = " ".join(fleet_render.render_report(document).split())
+    assert "so the bound is the same with no instance above 20%." in text
+
+
+def test_no_ceiling_when_the_workload_generates_another_schedule():
+    document = _document([_result("PREFIX_AWARE", [50] * 4, 0.8)])
+    text = fleet_render.render_report(document | {"requests": document["requests"] + 1})
+    assert "Ceiling: not computed, the `long-context` workload no longer generates" in text
+    assert "unlimited cache" not in text
 
 
 def test_a_skipped_path_is_a_row_that_says_so():

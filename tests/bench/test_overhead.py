@@ -30,7 +30,10 @@ def test_overhead_benchmark_writes_table_and_plot(tmp_path):
         "| c=16 | envoy+router |",
         "| c=16 | envoy+router streamed |",
         "| c=16 | envoy+router 2 workers |",
-        "| c=16 | envoy+router uvloop |",
+        "| c=16 | envoy+router asyncio |",
+        "| c=16 | envoy+router unix |",
+        "| c=16 | envoy+router fewer headers |",
+        "| c=16 | envoy+noop ext_proc |",
     ):
         assert path in text
     # No path may fail requests: every row's error count is 0.
@@ -40,7 +43,19 @@ def test_overhead_benchmark_writes_table_and_plot(tmp_path):
     # The report is a rendering of the stored run: rendering the JSON again gives it back.
     stored = json.loads((tmp_path / "overhead.json").read_text())
     assert stored["kind"] == "overhead"
-    assert len(stored["samples"]) == 6 * 2  # six paths at two concurrencies, one round
+    assert len(stored["samples"]) == 9 * 2  # nine paths at two concurrencies, one round
+    # Every ext_proc path was served by its processor: Envoy counted its streams, and none
+    # failed open (a path that failed open would measure Envoy alone).
+    assert set(stored["ext_proc"]) == {
+        "envoy+noop ext_proc", "envoy+router", "envoy+router streamed",
+        "envoy+router 2 workers", "envoy+router asyncio", "envoy+router unix",
+        "envoy+router fewer headers",
+    }  # fmt: skip
+    for path, counts in stored["ext_proc"].items():
+        assert counts["streams_started"] > 0, path
+        assert counts["failure_mode_allowed"] == counts["streams_failed"] == 0, path
+    assert "No stream failed open" in text
+    assert "**The floor.**" in text
     assert render(stored) == text
 
 
@@ -79,23 +94,76 @@ def test_the_verdict_is_computed_from_the_samples(routed_p50, verdict):
     assert f"`envoy+router streamed`, adds {added:+.2f} ms at p50: it {verdict} the target" in text
 
 
-def test_the_uvloop_lever_is_compared_with_the_same_router_on_asyncio():
-    paths = (("envoy", 0.6, 1000), ("envoy+router", 2.6, 400), ("envoy+router uvloop", 2.1, 500))
+def _run(paths: tuple[tuple[str, float, float], ...], **extra: object) -> dict[str, object]:
     samples = [
         {**_sample(path, c, p50), "requests_per_s": rps}
         for c in (1, 16)
         for path, p50, rps in paths
     ]
-    data = {
+    return {
         "kind": "overhead", "command": "prefix-router bench --workload overhead",
         "options": {"duration_s": 1, "rounds": 1, "concurrencies": [1, 16],
                     "body_bytes": 8192, "distinct_prompts": 16},
         "samples": samples, "machine": "test", "envoy": "test", "wrk": "test",
-        "load_average_after": [0.5, 0.4, 0.3],
+        "load_average_after": [0.5, 0.4, 0.3], **extra,
     }  # fmt: skip
-    text = render(data)
-    assert "at c=1 it adds +1.50 ms at p50 against +2.00 ms, with 1.25x the throughput" in text
-    assert "| envoy+router uvloop | c=16 | +1.50 |" in text
-    # A run without the path says nothing of it.
-    data["samples"] = [s for s in samples if s["path"] != "envoy+router uvloop"]
-    assert "uvloop instead" not in render(data)
+
+
+def test_each_lever_is_judged_against_the_same_router_without_it():
+    text = render(
+        _run(
+            (
+                ("envoy", 0.6, 1000),
+                ("envoy+router", 2.6, 400),
+                ("envoy+router asyncio", 2.1, 400),  # 0.5 ms faster, same throughput: pays
+                ("envoy+router unix", 2.55, 410),  # 0.05 ms and 1.025x: within noise
+                ("envoy+router fewer headers", 2.7, 440),  # 1.10x, but 3.8% slower at c=1
+            )
+        )
+    )
+    assert "| `envoy+router asyncio` | event_loop: asyncio's own loop" in text
+    assert "| -0.50 | -0.50 | 1.00x | 1.00x | pays |" in text
+    assert "| -0.05 | -0.05 | 1.02x | 1.02x | does not pay |" in text
+    assert "| +0.10 | +0.10 | 1.10x | 1.10x | does not pay |" in text
+    assert "| envoy+router asyncio | c=16 | +1.50 |" in text
+    # A run without lever paths has no lever section.
+    plain = render(_run((("envoy", 0.6, 1000), ("envoy+router", 2.6, 400))))
+    assert "## Levers" not in plain and "**The floor.**" not in plain
+
+
+def test_a_lever_pays_only_where_every_round_agrees():
+    def sample(path: str, c: int, p50: float, rps: float) -> dict[str, object]:
+        return {**_sample(path, c, p50), "requests_per_s": rps}
+
+    # Three rounds; the lever is faster in the median but slower in the last round.
+    samples = [
+        sample(path, c, p50, 400)
+        for c in (1, 16)
+        for path, p50s in (("envoy", (0.6, 0.6, 0.6)), ("envoy+router", (2.6, 2.6, 2.6)),
+                           ("envoy+router unix", (2.0, 2.1, 2.9)))
+        for p50 in p50s
+    ]  # fmt: skip
+    data = _run(())
+    data["samples"] = samples
+    assert (
+        "| -0.50 | -0.60, -0.50, +0.30 | 1.00x | 1.00x, 1.00x, 1.00x | mixed across rounds |"
+        in (render(data))
+    )
+
+
+def test_the_floor_is_the_noop_processors_share_of_what_the_router_adds():
+    paths = (("envoy", 0.6, 1000), ("envoy+noop ext_proc", 2.1, 420), ("envoy+router", 2.6, 400))
+    text = render(_run(paths))
+    assert "adds +1.50 ms at p50 and +1.50 ms at p99 at c=1" in text
+    assert "keeps 0.42 of plain Envoy's throughput at c=16" in text
+    assert "The router adds +2.00 ms at p50 and keeps 0.40: 75% of what" in text
+
+
+def test_envoys_ext_proc_counters_show_any_stream_that_failed_open():
+    paths = (("envoy", 0.6, 1000), ("envoy+router", 2.6, 400))
+    counts = {"streams_started": 900.0, "streams_failed": 0.0, "message_timeouts": 2.0}
+    text = render(_run(paths, ext_proc={"envoy+router": {**counts, "failure_mode_allowed": 2.0}}))
+    assert "| `envoy+router` | 900 | 2 | 2 |" in text
+    assert "2 streams failed open" in text
+    clean = {"envoy+router": {**counts, "message_timeouts": 0.0, "failure_mode_allowed": 0.0}}
+    assert "No stream failed open" in render(_run(paths, ext_proc=clean))

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
-from extproc.bench import headline, reliability_report, report
+from extproc.bench import ceiling, headline, reliability_report, report
+from extproc.bench.workloads import WorkloadSpec, generate
 
 REPORTS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks"
 # Pages that are not one run's report.
@@ -78,3 +80,22 @@ def test_headline_targets_are_computed_from_the_runs(ours, met):
     assert (row.ours, row.peer, row.met) == (f"{ours:.1%}", "ring_hash 82.0%", met)
     shares = next(r for r in headline.rows({"long-context": run}) if "busiest" in r.measure)
     assert (shares.ours, shares.met) == ("50.0%", False)  # two hosts: 50% each, over 20%
+
+
+def test_headline_hit_rate_rows_carry_the_runs_computed_ceilings():
+    spec = WorkloadSpec(name="long-context", rate_per_s=8.0, duration_s=5.0)
+    run = _fleet_run({"PREFIX_AWARE": 0.8, "envoy-ring-hash": 0.82}) | {
+        "workload": asdict(spec),
+        "simulator": {"args": []},
+        "requests": len(generate(spec)),
+    }
+    found = ceiling.stored_ceiling(run)
+    assert found is not None and found.over_cap
+    hit_rate, busiest, *_ = headline.rows({"long-context": run})
+    assert hit_rate.ceiling == (
+        f"{found.hit_rate:.1%}; at most {found.capped_hit_rate:.1%} with no instance above 20%"
+    )
+    assert hit_rate.met is False and busiest.ceiling == ""  # the targets are judged as before
+    # A run that names no workload has no ceiling to show.
+    (row, *_) = headline.rows({"long-context": _fleet_run({"PREFIX_AWARE": 0.8})})
+    assert row.ceiling == ""

@@ -115,6 +115,24 @@ def test_envoy_config_lists_every_router_worker_as_an_endpoint(capsys):
     assert "--router-workers must be 1-64" in capsys.readouterr().err
 
 
+def test_envoy_config_takes_routers_on_unix_sockets(capsys):
+    routers = ("--router", "unix:/run/r.sock", "--router", "127.0.0.1:6000")
+    config = bootstrap(capsys, *routers, "--router-workers", "2")
+    (cluster,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "prefix_router"]
+    (group,) = cluster["load_assignment"]["endpoints"]
+    addresses = [e["endpoint"]["address"] for e in group["lb_endpoints"]]
+    assert addresses == [
+        {"pipe": {"path": "/run/r.sock"}},
+        {"pipe": {"path": "/run/r.sock.1"}},
+        {"socket_address": {"address": "127.0.0.1", "port_value": 6000}},
+        {"socket_address": {"address": "127.0.0.1", "port_value": 6001}},
+    ]
+    with pytest.raises(SystemExit) as exit_:
+        main(["envoy-config", "--router", "unix:run/r.sock"])
+    assert exit_.value.code == EXIT_USAGE
+    assert "must be absolute" in capsys.readouterr().err
+
+
 def test_up_runs_the_router_with_its_workers():
     spec = stack_spec(parse_args(["up", "--workers", "2"]))
     assert spec.router_workers == 2 and spec.router_replicas == 1

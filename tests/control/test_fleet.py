@@ -292,6 +292,29 @@ async def test_invalid_reload_is_rejected_and_the_old_config_stays(
     assert [h.address for h in published(fleet.store).hosts if h.draining] == [sims[0]]
 
 
+async def test_an_unexpected_reload_error_keeps_the_old_config_and_the_watch(
+    reloading: tuple[Fleet, Path, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fleet, path, sims = reloading
+    old_config, old_snapshot = fleet.config, published(fleet.store)
+    failed, applied = reloads("failed"), reloads("applied")
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a bug in discovery")
+
+    # A fault injected where no real input reaches today: any bug in a reload.
+    monkeypatch.setattr("extproc.control.fleet.sources_for", broken)
+    write_config(path, {"hosts": sims, "draining": [sims[0]], "health": FAST_HEALTH})
+    assert await fleet.discover() == frozenset(sims)
+    assert reloads("failed") == failed + 1 and reloads("applied") == applied
+    assert fleet.config is old_config and published(fleet.store) is old_snapshot
+    monkeypatch.undo()
+    write_config(path, {"hosts": sims, "draining": [sims[1]], "health": FAST_HEALTH})
+    await fleet.discover()
+    assert reloads("applied") == applied + 1
+    assert [h.address for h in published(fleet.store).hosts if h.draining] == [sims[1]]
+
+
 async def test_reload_keeps_restart_only_fields(
     reloading: tuple[Fleet, Path, list[str]],
 ) -> None:

@@ -13,6 +13,17 @@ from extproc.stack.local import envoy_binary
 ENVOY_DIR = Path(__file__).resolve().parents[2] / "envoy"
 
 
+def validate_in_envoy(path: Path) -> None:
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "OK" in result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_shipped_file_is_the_generators_output(mode):
     shipped = (ENVOY_DIR / f"{mode}.yaml").read_text()
@@ -33,14 +44,7 @@ def test_bootstrap_validates_in_envoy(tmp_path, mode, upstream_host_header, body
             )
         )
     )
-    result = subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "OK" in result.stdout + result.stderr
+    validate_in_envoy(path)
     assert ("x-upstream-host" in path.read_text()) is upstream_host_header
 
 
@@ -82,3 +86,29 @@ def test_streamed_bodies_log_completions_to_each_router_process():
     buffered = build_bootstrap(BootstrapParams(routers=routers))
     manager = buffered["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     assert "access_log" not in manager["typed_config"]
+
+
+def test_routers_on_unix_sockets_and_forwarded_headers_validate_in_envoy(tmp_path):
+    from extproc.picker.keys import READ_HEADERS
+
+    params = BootstrapParams(
+        body_mode="streamed", routers=("/run/r.sock", ("127.0.0.1", 50052)),
+        forward_headers=READ_HEADERS,
+    )  # fmt: skip
+    bootstrap = build_bootstrap(params)
+    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    (group,) = clusters["prefix_router"]["load_assignment"]["endpoints"]
+    assert group["lb_endpoints"][0]["endpoint"]["address"] == {"pipe": {"path": "/run/r.sock"}}
+    (log_group,) = clusters["prefix_router_completions_0"]["load_assignment"]["endpoints"]
+    assert log_group["lb_endpoints"][0]["endpoint"]["address"] == {"pipe": {"path": "/run/r.sock"}}
+    manager = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    (ext_proc,) = [
+        f for f in manager["typed_config"]["http_filters"] if f["name"].endswith("ext_proc")
+    ]
+    patterns = ext_proc["typed_config"]["forward_rules"]["allowed_headers"]["patterns"]
+    assert [p["exact"] for p in patterns] == list(READ_HEADERS)
+    # The shipped default forwards every header: the lever did not pay (overhead.md).
+    assert "forward_rules" not in render(BootstrapParams())
+    path = tmp_path / "bootstrap.yaml"
+    path.write_text(render(params))
+    validate_in_envoy(path)

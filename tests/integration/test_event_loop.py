@@ -1,19 +1,21 @@
-"""event_loop: uvloop, through the real Envoy: the same decisions on libuv's loop."""
+"""event_loop, through the real Envoy: the same decisions on libuv's loop (the default)
+and on asyncio's own."""
 
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from extproc.stack.local import LocalStack, StackSpec
 
 from ..prompts import document
 
 
-def test_a_router_on_uvloop_routes_each_prefix_to_one_host():
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_a_router_on_either_loop_routes_each_prefix_to_one_host(loop: str):
+    settings = {"event_loop": loop} if loop != "uvloop" else {}  # uvloop: the default
     spec = StackSpec.ephemeral(
-        3,
-        sim_args=("--ttft-ms", "0", "--itl-ms", "0"),
-        router_settings={"event_loop": "uvloop"},
+        3, sim_args=("--ttft-ms", "0", "--itl-ms", "0"), router_settings=settings
     )
     with LocalStack(spec) as stack, httpx.Client(base_url=stack.url, timeout=30) as client:
         served: dict[int, set[str]] = {}
@@ -35,4 +37,4 @@ def test_a_router_on_uvloop_routes_each_prefix_to_one_host():
         )
         assert decided == 12
         log = stack.router_log_path(0).read_text()
-    assert '"event_loop": "uvloop"' in log
+    assert f'"event_loop": "{loop}"' in log
