@@ -24,6 +24,7 @@ from extproc.schema import (
     MAX_SOCKET_PATH_BYTES,
     Address,
     FrozenModel,
+    HeaderName,
     ListenAddress,
     LogLevel,
     Name,
@@ -169,6 +170,17 @@ class RouterConfig(FrozenModel):
         "openai: the key is the message text of an OpenAI chat or completions body; "
         "native: the first bytes of the raw body.",
         KeyMode.OPENAI,
+    )
+    trusted_salt_header: HeaderName | None = described(
+        "Take the tenant salt only from this request header, which a trusted filter in "
+        "front of the router sets (an authenticating filter mapping the caller to its "
+        "tenant); the client's x-prefix-aware-id, x-amzn-sagemaker-prefix-aware-id and "
+        "prompt_cache_key are then ignored. Generate the bootstrap with `envoy-config "
+        "--trusted-salt-header NAME` so Envoy strips the client's own copy first. null: "
+        "the salt comes from the client, which may set any salt: it moves placement but "
+        "isolates nothing in vLLM's cache.",
+        None,
+        allowed="a lower-case header name",
     )
     hosts: tuple[Address, ...] = described(
         "The static host set, for running without a control plane.",

@@ -27,3 +27,14 @@ class ConfigError(RouterError):
 
 class NoHostsError(RouterError):
     """The published host set is empty, so no upstream can be chosen."""
+
+
+class StreamAborted(RouterError):
+    """The router cannot answer this request. Its ext_proc stream ends with a gRPC error,
+    and Envoy's failure mode decides, as when the router is down: override-host places the
+    request by its fallback policy (counted by Envoy as ``failure_mode_allowed``),
+    original-dst answers 503 (``status_on_error``). The router never picks a 503 itself."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)

@@ -137,6 +137,11 @@ CONTROL_PLANE_CONNECTED = Gauge(
     "1 while the router's xDS stream to the control plane is up and has delivered the "
     "fleet; 0 while it reconnects (the router places over the last set it received)",
 )
+LOG_LINES_SUPPRESSED = Counter(
+    "prefix_router_log_lines_suppressed",
+    "Log lines a client could cause that were not written: past their rate (see logs.py)",
+    ["event"],
+)
 CONFIG_RELOADS = Counter(
     "prefix_router_config_reloads",
     "Config file reloads, by result: applied, rejected (invalid; the old config stays), "

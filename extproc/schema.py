@@ -125,6 +125,9 @@ Address = Annotated[str, BeforeValidator(_address)]
 ListenAddress = Annotated[str, BeforeValidator(_listen_address)]
 # A DNS name and a port.
 DnsName = Annotated[str, BeforeValidator(_dns_name)]
+# An HTTP header name as Envoy hands it to ext_proc: lower case, token characters only, not
+# a pseudo-header.
+HeaderName = Annotated[str, Strict(), Field(pattern=r"^[a-z0-9!#$%&'*+.^_`|~-]+$", max_length=128)]
 Name = Annotated[str, Strict(), Field(min_length=1)]
 
 

@@ -158,3 +158,13 @@ def test_the_drain_timeout_suits_llm_streams_and_is_bounded():
         with pytest.raises(ConfigError) as caught:
             load_config(env={}, overrides={"drain_timeout_s": bad})
         assert caught.value.field == "drain_timeout_s"
+
+
+def test_a_trusted_salt_header_is_a_lower_case_header_name():
+    assert load_config(env={}).trusted_salt_header is None
+    config = load_config(env={"PREFIX_ROUTER_TRUSTED_SALT_HEADER": "x-tenant-id"})
+    assert config.trusted_salt_header == "x-tenant-id"
+    for bad in ("X-Tenant-Id", ":authority", "x tenant", ""):
+        with pytest.raises(ConfigError) as caught:
+            load_config(env={}, overrides={"trusted_salt_header": bad})
+        assert caught.value.field == "trusted_salt_header"

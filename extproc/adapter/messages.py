@@ -8,7 +8,6 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingRequest,
     ProcessingResponse,
 )
-from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from extproc.adapter.completions import TICKET_KEY
@@ -86,18 +85,4 @@ def continue_for(kind: str) -> ProcessingResponse:
     """The do-nothing answer to a message of ``kind`` (a ProcessingRequest oneof name)."""
     response = ProcessingResponse()
     getattr(response, kind).SetInParent()
-    return response
-
-
-def unavailable(details: str) -> ProcessingResponse:
-    """A 503 sent to the client straight from Envoy."""
-    response = ProcessingResponse()
-    immediate = response.immediate_response
-    immediate.status.code = http_status_pb2.ServiceUnavailable
-    immediate.body = b'{"error":{"message":"no healthy upstream","type":"unavailable"}}'
-    immediate.details = details
-    header = immediate.headers.set_headers.add()
-    header.header.key = "content-type"
-    header.header.raw_value = b"application/json"
-    header.append_action = _OVERWRITE
     return response

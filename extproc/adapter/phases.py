@@ -28,7 +28,7 @@ from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import Proces
 from extproc import metrics
 from extproc.adapter import messages
 from extproc.adapter.routing import Router
-from extproc.errors import NoHostsError
+from extproc.errors import NoHostsError, StreamAborted
 from extproc.picker.decide import Decision
 
 log = structlog.get_logger("ext_proc")
@@ -140,7 +140,7 @@ class RequestStream:
         except NoHostsError:
             metrics.FALLBACKS.labels("no_hosts").inc()
             log.warning("no_hosts")
-            return messages.unavailable("prefix_router_no_hosts")
+            raise StreamAborted("prefix_router_no_hosts") from None
         self.decision = decision
         if self._ends_at_decision:
             return respond(decision, self._router.hand_off(decision))

@@ -176,7 +176,7 @@ class Router:
             and config.prefix_match is PrefixMatch.LONGEST
         )
         limit = config.match_depth_chars if longest else config.prefix_length
-        key = extract_key(body, headers, config.key_mode, limit)
+        key = extract_key(body, headers, config.key_mode, limit, config.trusted_salt_header)
         metrics.KEY_SOURCES.labels(key.source.value).inc()
         if key.salt_rejected:
             metrics.SALT_REJECTED.labels(key.salt_rejected.split(" ")[0]).inc()

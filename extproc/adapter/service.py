@@ -25,7 +25,7 @@ from extproc.adapter.fleet_client import FleetClient
 from extproc.adapter.phases import RequestStream
 from extproc.adapter.routing import Router
 from extproc.config import EventLoop, RouterConfig, StreamEnd, load_config
-from extproc.errors import ConfigError
+from extproc.errors import ConfigError, StreamAborted
 from extproc.filewatch import FileWatcher
 from extproc.picker.hosts import HostSet
 from extproc.schema import socket_path
@@ -55,10 +55,13 @@ class ExternalProcessor:
             async for request in requests:
                 try:
                     responses = stream.on_message(request)
+                except StreamAborted as aborted:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, aborted.reason)
                 except Exception:  # a bug must cost one request, not the router
                     metrics.PROTOCOL_ERRORS.labels("internal_error").inc()
                     log.exception("internal_error")
-                    responses = (messages.unavailable("prefix_router_internal_error"),)
+                    # Like any failure: Envoy's failure mode decides (see StreamAborted).
+                    await context.abort(grpc.StatusCode.INTERNAL, "prefix_router_internal_error")
                 for response in responses:
                     yield response
                 if stream.ended:

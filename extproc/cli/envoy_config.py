@@ -72,7 +72,29 @@ def register(commands: Commands) -> None:
         action="store_true",
         help="a STATIC backend cluster of --backend hosts instead of EDS (override-host mode)",
     )
-    parser.add_argument("--no-upstream-host-header", action="store_true")
+    parser.add_argument(
+        "--max-concurrent",
+        type=int,
+        default=BootstrapParams.max_concurrent,
+        metavar="N",
+        help="circuit breakers of the backend and router clusters: requests, pending "
+        "requests and connections each cluster holds at once (default "
+        f"{BootstrapParams.max_concurrent}; Envoy's own is 1024)",
+    )
+    parser.add_argument(
+        "--trusted-salt-header",
+        metavar="NAME",
+        type=_header_name,
+        help="the router's trusted_salt_header: Envoy strips the client's copy before any "
+        "other filter, so only a filter you add after the strip filter (your "
+        "authentication) can set it",
+    )
+    parser.add_argument(
+        "--upstream-host-header",
+        action="store_true",
+        help="add x-upstream-host (the backend that served it) to every response: for "
+        "demos and debugging; it shows clients the fleet's addresses",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -103,6 +125,18 @@ def _inapplicable(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _header_name(text: str) -> str:
+    """A header name as the router's config takes it (validated by the same schema)."""
+    from extproc.config import RouterConfig
+    from extproc.errors import ConfigError
+    from extproc.schema import validated
+
+    try:
+        return str(validated(RouterConfig, {"trusted_salt_header": text}).trusted_salt_header)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _worker_endpoint(router: RouterEndpoint, index: int) -> RouterEndpoint:
     """Where worker ``index`` of ``router --workers N`` listens (see worker_address)."""
     if isinstance(router, str):
@@ -120,6 +154,10 @@ def run(args: argparse.Namespace) -> int:
         return usage_error(
             "envoy-config", f"--router-workers must be 1-64, got {args.router_workers}"
         )
+    if not 1 <= args.max_concurrent <= 1_000_000:
+        return usage_error(
+            "envoy-config", f"--max-concurrent must be 1-1000000, got {args.max_concurrent}"
+        )
     routers = tuple(args.router) or BootstrapParams.routers
     endpoints = tuple(
         _worker_endpoint(router, i) for router in routers for i in range(args.router_workers)
@@ -133,7 +171,9 @@ def run(args: argparse.Namespace) -> int:
         routers=endpoints,
         backends=tuple(args.backend) or BootstrapParams.backends,
         control_plane=None if args.static else args.control_plane or BootstrapParams.control_plane,
-        upstream_host_header=not args.no_upstream_host_header,
+        upstream_host_header=args.upstream_host_header,
+        trusted_salt_header=args.trusted_salt_header,
+        max_concurrent=args.max_concurrent,
         body_mode=args.body_mode,
     )
     sys.stdout.write(render(params))

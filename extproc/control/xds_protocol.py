@@ -23,6 +23,10 @@ from extproc.control.snapshot import SnapshotStore, content_version
 
 log = structlog.get_logger("xds")
 
+# Rejected versions remembered per resource and stream. Versions are content hashes, so an
+# old content can come back; one rejected longer ago than this is offered again.
+MAX_REJECTED_VERSIONS = 32
+
 
 @dataclass
 class StreamState:
@@ -30,14 +34,20 @@ class StreamState:
     subscribed: frozenset[str] = frozenset()
     # Per resource: the version last sent on this stream (ACKed or not).
     sent: dict[str, str] = field(default_factory=dict)
-    # Per resource: versions the client rejected; never resent.
-    rejected: dict[str, set[str]] = field(default_factory=dict)
+    # Per resource: versions the client rejected, never resent; the latest
+    # MAX_REJECTED_VERSIONS of them (insertion-ordered), so a client that rejects every
+    # version costs a bounded amount of memory.
+    rejected: dict[str, dict[str, None]] = field(default_factory=dict)
     nonce_counter: int = 0
     last_nonce: str = ""
     last_version: str = ""
     # Resource versions carried by the response with ``last_nonce``: what a NACK rejects.
     last_sent: dict[str, str] = field(default_factory=dict)
     acked_version: str = ""
+    # A response is out that the client has not answered (ACK or NACK) yet. Nothing more
+    # is sent until it is: a slow or stuck client holds one response, not every change
+    # (gRPC buffers whatever a stream is given), and its next one carries the latest.
+    awaiting_answer: bool = False
 
 
 class XdsStream:
@@ -62,6 +72,7 @@ class XdsStream:
             return None
 
         names = frozenset(request.resource_names) or self._default_resources
+        state.awaiting_answer = False  # answered, or asked afresh
         if request.response_nonce and request.HasField("error_detail"):
             self._on_nack(request)
         elif request.response_nonce:
@@ -82,7 +93,11 @@ class XdsStream:
         state = self.state
         metrics.XDS_NACKS.inc()
         for name, version in state.last_sent.items():
-            state.rejected.setdefault(name, set()).add(version)
+            versions = state.rejected.setdefault(name, {})
+            versions.pop(version, None)
+            versions[version] = None
+            while len(versions) > MAX_REJECTED_VERSIONS:
+                del versions[next(iter(versions))]
         log.error(
             "xds_nack",
             node=state.node,
@@ -95,6 +110,8 @@ class XdsStream:
     def pending(self) -> DiscoveryResponse | None:
         """A response with every subscribed resource whose version is new to this stream."""
         state = self.state
+        if state.awaiting_answer:
+            return None
         changed = []
         for name in sorted(state.subscribed):
             snapshot = self._store.get(name)
@@ -110,6 +127,7 @@ class XdsStream:
         state.last_sent = {snapshot.name: snapshot.version for snapshot in changed}
         state.nonce_counter += 1
         state.last_nonce = str(state.nonce_counter)
+        state.awaiting_answer = True
         # Sent resources only: in state-of-the-world EDS, a cluster left out is unchanged.
         state.last_version = content_version(sorted(state.sent.items()))
         response = DiscoveryResponse(

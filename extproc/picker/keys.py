@@ -135,17 +135,32 @@ def openai_prompt_pieces(body: Any, limit: int | None = None) -> list[str] | Non
     return None
 
 
+def _salt_from_trusted_header(
+    headers: Mapping[str, str], name: str
+) -> tuple[str | None, str | None]:
+    if name not in headers:
+        return None, None
+    value = headers[name]
+    return (value, None) if valid_salt(value) else (None, f"header {name}")
+
+
 def extract_key(
     body: bytes,
     headers: Mapping[str, str],
     mode: KeyMode,
     prefix_length: int,
+    trusted_salt_header: str | None = None,
 ) -> RoutingKey:
     """Build the routing key for one request.
 
     ``headers`` has lower-case names. ``body`` may be a truncated prefix of the real body.
+    With ``trusted_salt_header`` the salt comes from that header alone (set by a trusted
+    filter in front of the router); the client's salt headers and body field are ignored.
     """
-    salt, salt_rejected = _salt_from_headers(headers)
+    if trusted_salt_header is None:
+        salt, salt_rejected = _salt_from_headers(headers)
+    else:
+        salt, salt_rejected = _salt_from_trusted_header(headers, trusted_salt_header)
     native = body[:prefix_length]
     if mode is KeyMode.NATIVE:
         return RoutingKey(native, KeySource.NATIVE, salt, None, salt_rejected)
@@ -166,7 +181,7 @@ def extract_key(
 
     assert isinstance(parsed, dict)
     model = parsed.get("model")
-    if salt is None and SALT_BODY_FIELD in parsed:
+    if salt is None and trusted_salt_header is None and SALT_BODY_FIELD in parsed:
         body_salt = parsed[SALT_BODY_FIELD]
         if valid_salt(body_salt):
             salt = body_salt

@@ -65,7 +65,10 @@ class BootstrapParams:
     buffer_limit_bytes: int = 8 * 1024 * 1024
     body_mode: BodyMode = "buffered-partial"
     message_timeout_ms: int = 500
-    upstream_host_header: bool = True
+    # x-upstream-host on every response names the backend that served it: for demos and
+    # tests (`prefix-router up` and the test stacks turn it on), never in the shipped
+    # bootstraps, where it would show clients the fleet's addresses.
+    upstream_host_header: bool = False
     retries: int = 2
     # False gives plain Envoy (least-request over the cluster): the no-router baseline.
     ext_proc: bool = True
@@ -79,6 +82,14 @@ class BootstrapParams:
     # The request headers Envoy forwards to the router (ext_proc forward_rules); None
     # forwards them all.
     forward_headers: tuple[str, ...] | None = None
+    # Envoy's circuit breakers on the backend and router clusters: the most requests (and
+    # connections, and requests waiting for one) each holds at once. An LLM gateway holds
+    # a request, and in buffered-partial mode its ext_proc stream, for the whole
+    # generation; Envoy's default of 1024 made requests past it fail open in silence.
+    max_concurrent: int = 16384
+    # The router's trusted_salt_header: stripped from the client's request first, with the
+    # routing headers, so only a filter placed after the strip filter can set it.
+    trusted_salt_header: str | None = None
 
 
 def _address(host: str, port: int) -> dict[str, Any]:
@@ -111,12 +122,29 @@ def _http2_options() -> dict[str, Any]:
     }
 
 
+def circuit_breakers(max_concurrent: int) -> dict[str, Any]:
+    """One cluster's breakers: ``max_concurrent`` requests, pending requests and
+    connections; retries in flight at a sixteenth of that (Envoy's default is 3)."""
+    return {
+        "thresholds": [
+            {
+                "priority": "DEFAULT",
+                "max_connections": max_concurrent,
+                "max_pending_requests": max_concurrent,
+                "max_requests": max_concurrent,
+                "max_retries": max(3, max_concurrent // 16),
+            }
+        ]
+    }
+
+
 def _router_cluster(params: BootstrapParams) -> dict[str, Any]:
     return {
         "name": ROUTER_CLUSTER,
         "type": "STATIC",
         "connect_timeout": "0.25s",
         "lb_policy": "LEAST_REQUEST",
+        "circuit_breakers": circuit_breakers(params.max_concurrent),
         "typed_extension_protocol_options": _http2_options(),
         "load_assignment": _endpoints(ROUTER_CLUSTER, params.routers),
         # gRPC health checks take a draining router out before its streams are cut.
@@ -258,12 +286,15 @@ def _ext_proc_filter(params: BootstrapParams) -> dict[str, Any]:
     return {"name": "envoy.filters.http.ext_proc", "typed_config": config}
 
 
-def _completion_log_cluster(index: int, router: RouterEndpoint) -> dict[str, Any]:
+def _completion_log_cluster(
+    index: int, router: RouterEndpoint, max_concurrent: int
+) -> dict[str, Any]:
     name = f"{COMPLETIONS_CLUSTER}_{index}"
     return {
         "name": name,
         "type": "STATIC",
         "connect_timeout": "0.25s",
+        "circuit_breakers": circuit_breakers(max_concurrent),
         "typed_extension_protocol_options": _http2_options(),
         "load_assignment": _endpoints(name, (router,)),
     }
@@ -294,13 +325,16 @@ def _completion_logs(params: BootstrapParams) -> list[dict[str, Any]]:
     ]
 
 
-def _strip_client_routing_headers() -> dict[str, Any]:
+def _strip_client_routing_headers(params: BootstrapParams) -> dict[str, Any]:
     # Must run before ext_proc: route-level header removal happens too late.
+    headers = list(CLIENT_ROUTING_HEADERS)
+    if params.trusted_salt_header is not None:
+        headers.append(params.trusted_salt_header)
     return {
         "name": "envoy.filters.http.header_mutation",
         "typed_config": {
             "@type": _TYPE + "extensions.filters.http.header_mutation.v3.HeaderMutation",
-            "mutations": {"request_mutations": [{"remove": h} for h in CLIENT_ROUTING_HEADERS]},
+            "mutations": {"request_mutations": [{"remove": h} for h in headers]},
         },
     }
 
@@ -351,6 +385,8 @@ def build_bootstrap(params: BootstrapParams) -> dict[str, Any]:
         if params.mode == "override-host"
         else _original_dst_cluster()
     )
+    # An HTTP/1 upstream takes a connection per request in flight: all three at one size.
+    backend["circuit_breakers"] = circuit_breakers(params.max_concurrent)
     http_connection_manager = {
         "@type": _TYPE
         + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
@@ -372,7 +408,7 @@ def build_bootstrap(params: BootstrapParams) -> dict[str, Any]:
             else {}
         ),
         "http_filters": [
-            _strip_client_routing_headers(),
+            _strip_client_routing_headers(params),
             *([_ext_proc_filter(params)] if params.ext_proc else []),
             {
                 "name": "envoy.filters.http.router",
@@ -382,7 +418,10 @@ def build_bootstrap(params: BootstrapParams) -> dict[str, Any]:
     }
     clusters = [backend, _router_cluster(params)]
     if params.ext_proc and params.body_mode == "streamed":
-        clusters += [_completion_log_cluster(i, r) for i, r in enumerate(params.routers)]
+        clusters += [
+            _completion_log_cluster(i, r, params.max_concurrent)
+            for i, r in enumerate(params.routers)
+        ]
     bootstrap: dict[str, Any] = {
         "node": {"id": "envoy", "cluster": "prefix-router-ingress"},
         "admin": {"address": _address(*params.admin)},

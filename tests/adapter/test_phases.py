@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +20,7 @@ from extproc.adapter.messages import (
 from extproc.adapter.phases import BODY_LIMIT_BYTES, HOLD_TIMEOUT_S, Phase, RequestStream
 from extproc.adapter.routing import Router
 from extproc.config import RouterConfig
+from extproc.errors import StreamAborted
 
 from ..extproc_messages import request_body, request_headers
 
@@ -143,13 +145,15 @@ def test_out_of_order_messages_are_answered_not_fatal():
     assert router.in_flight.total() == 0
 
 
-def test_no_hosts_answers_503_immediately():
+def test_no_hosts_aborts_the_stream_so_envoys_failure_mode_decides():
     router = make_router(hosts=())
     stream = RequestStream(router)
     stream.on_message(request_headers({}))
-    (response,) = stream.on_message(request_body(b"{}"))
-    assert response.immediate_response.status.code == 503
+    with pytest.raises(StreamAborted) as aborted:
+        stream.on_message(request_body(b"{}"))
+    assert aborted.value.reason == "prefix_router_no_hosts"
     stream.close()
+    assert router.in_flight.total() == 0
 
 
 kinds = st.sampled_from(
@@ -177,7 +181,7 @@ def test_any_message_sequence_gets_answers_and_never_leaks_in_flight(sequence):
             assert answers == ()
             continue
         (response,) = answers
-        assert response.WhichOneof("response") in (kind, "immediate_response")
+        assert response.WhichOneof("response") == kind
         if response.HasField("dynamic_metadata"):
             assert set(metadata_targets(response)) <= set(HOSTS)
     stream.close()

@@ -75,7 +75,11 @@ def test_gpu_profile_runs_vllm_with_prefix_caching_on_its_own_gpu():
 
 def test_gpu_envoy_bootstrap_is_generated_and_loads():
     path = COMPOSE_DIR / "config/gpu/envoy.yaml"
-    expected = render(BootstrapParams(listen=("0.0.0.0", 10000), admin=("0.0.0.0", 9901)))
+    # The compose quick start shows which vLLM served each response (x-upstream-host).
+    params = BootstrapParams(
+        listen=("0.0.0.0", 10000), admin=("0.0.0.0", 9901), upstream_host_header=True
+    )
+    expected = render(params)
     body = "".join(path.read_text().splitlines(keepends=True)[2:])  # after the two comments
     assert body == expected, "regenerate: see the first line of compose/config/gpu/envoy.yaml"
     result = subprocess.run(

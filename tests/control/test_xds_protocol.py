@@ -7,7 +7,12 @@ from prometheus_client import REGISTRY
 from extproc.control.model import HostLoad
 from extproc.control.resources import CLA_TYPE_URL, cla_to_fleet, cla_to_loads
 from extproc.control.snapshot import FleetSnapshot, LoadSnapshot, PublishedHost, SnapshotStore
-from extproc.control.xds_protocol import DiscoveryRequest, DiscoveryResponse, XdsStream
+from extproc.control.xds_protocol import (
+    MAX_REJECTED_VERSIONS,
+    DiscoveryRequest,
+    DiscoveryResponse,
+    XdsStream,
+)
 
 A = "127.0.0.1:8001"
 B = "127.0.0.2:8002"
@@ -182,6 +187,7 @@ def test_resource_not_in_store_is_sent_once_published() -> None:
     response = driver.pending()
     assert response is not None
     assert set(decode(response)) == {FLEET}
+    driver.ack()
     store.publish(LoadSnapshot.build(FLEET, {A: HostLoad(waiting=1)}))
     response = driver.pending()
     assert response is not None
@@ -192,8 +198,10 @@ def test_stale_nonce_is_ignored(store: SnapshotStore) -> None:
     driver = Driver(store)
     driver.request()
     stale = driver.last
+    driver.ack()
     store.publish(fleet(A))
     assert driver.pending() is not None
+    acked = driver.stream.state.acked_version
     before_stale, before_nacks = requests_of("stale_nonce"), nacks()
     # An ACK, a NACK and a subscription change, all on the old nonce: every one ignored.
     assert driver.request(version=stale.version_info, nonce=stale.nonce) is None
@@ -201,7 +209,7 @@ def test_stale_nonce_is_ignored(store: SnapshotStore) -> None:
     assert driver.request([FLEET, LOAD, "other"], nonce=stale.nonce) is None
     assert requests_of("stale_nonce") == before_stale + 3
     assert nacks() == before_nacks
-    assert driver.stream.state.acked_version == ""
+    assert driver.stream.state.acked_version == acked
     assert driver.stream.state.subscribed == frozenset({FLEET, LOAD})
     assert not driver.stream.state.rejected
     # A nonce never sent is stale too.
@@ -249,6 +257,24 @@ def test_nack_then_the_rejected_content_again_is_not_resent(store: SnapshotStore
     # Content hashes: the rejected content comes back with the rejected version.
     store.publish(fleet(C))
     assert driver.pending() is None
+
+
+def test_a_client_that_rejects_every_version_costs_bounded_memory(store: SnapshotStore) -> None:
+    driver = Driver(store)
+    driver.request()
+    driver.ack()
+    for n in range(3 * MAX_REJECTED_VERSIONS):
+        store.publish(LoadSnapshot.build(FLEET, {A: HostLoad(running=n + 10)}))
+        assert driver.pending() is not None
+        driver.nack()
+    rejected = driver.stream.state.rejected
+    assert len(rejected[LOAD]) == MAX_REJECTED_VERSIONS
+    # The latest rejections are remembered: the one before last is still never resent...
+    store.publish(LoadSnapshot.build(FLEET, {A: HostLoad(running=3 * MAX_REJECTED_VERSIONS + 8)}))
+    assert driver.pending() is None
+    # ...while one rejected long ago is offered again.
+    store.publish(LoadSnapshot.build(FLEET, {A: HostLoad(running=10)}))
+    assert driver.pending() is not None
 
 
 def test_nack_of_the_load_feed_does_not_blacklist_the_acked_fleet(
@@ -325,11 +351,15 @@ def test_empty_type_url_is_treated_as_cla(store: SnapshotStore) -> None:
 def test_nonces_increase_over_many_updates(store: SnapshotStore) -> None:
     driver = Driver(store)
     driver.request()
+    driver.ack()
     for round_ in range(20):
         store.publish(LoadSnapshot.build(FLEET, {A: HostLoad(running=round_ + 10)}))
         assert driver.pending() is not None
-        if round_ % 2:
-            driver.ack()
+        # Nothing more goes out until the client answers this one.
+        store.publish(LoadSnapshot.build(FLEET, {A: HostLoad(running=round_ + 1000)}))
+        assert driver.pending() is None
+        store.publish(LoadSnapshot.build(FLEET, {A: HostLoad(running=round_ + 10)}))
+        driver.ack()
     assert len(driver.responses) == 21
     assert [int(r.nonce) for r in driver.responses] == list(range(1, 22))
     assert len({r.version_info for r in driver.responses}) == 21

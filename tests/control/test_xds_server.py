@@ -236,11 +236,34 @@ async def test_many_publishes_arrive_in_order_ending_at_the_latest(
             final = fleet(*(f"127.0.0.{i + 1}:9000" for i in range(round_ + 1)))
             control_plane.store.publish(final)
         assert final is not None
-        # Updates may coalesce, but nonces rise and the last one is the latest fleet.
+        # Updates may coalesce, but nonces rise and the last one is the latest fleet. Each
+        # is ACKed, as Envoy and the router do: the next waits for the answer.
+        await xds.send(version=last.version_info, nonce=last.nonce)
         for _ in range(11):
             response = await xds.receive()
+            await xds.send(version=response.version_info, nonce=response.nonce)
             assert int(response.nonce) > int(last.nonce)
             last = response
             if cla_to_fleet(decode(response)[FLEET]) == final:
                 break
         assert cla_to_fleet(decode(last)[FLEET]) == final
+
+
+async def test_a_client_that_does_not_answer_gets_one_response_then_the_latest(
+    control_plane: ControlPlane,
+) -> None:
+    async with client(control_plane.target) as xds:
+        await xds.send()
+        first = await xds.receive()
+        # The client neither ACKs nor NACKs: however many changes come, nothing more is
+        # sent on its stream (gRPC would buffer every one for a stuck client).
+        final = None
+        for round_ in range(50):
+            final = fleet(*(f"127.0.0.{i + 1}:9000" for i in range(round_ % 20 + 1)), C)
+            control_plane.store.publish(final)
+        assert await xds.silent()
+        # Its answer brings the latest at once, in one response.
+        await xds.send(version=first.version_info, nonce=first.nonce)
+        latest = await xds.receive()
+        assert final is not None and cla_to_fleet(decode(latest)[FLEET]) == final
+        assert await xds.silent()

@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from extproc.stack.bootstrap import BODY_MODES, MODES, BootstrapParams, build_bootstrap, render
 from extproc.stack.local import envoy_binary
@@ -112,3 +113,35 @@ def test_routers_on_unix_sockets_and_forwarded_headers_validate_in_envoy(tmp_pat
     path = tmp_path / "bootstrap.yaml"
     path.write_text(render(params))
     validate_in_envoy(path)
+
+
+def test_a_trusted_salt_header_is_stripped_from_the_client_before_ext_proc(tmp_path):
+    text = render(BootstrapParams(trusted_salt_header="x-tenant-id"))
+    strip, ext_proc = text.index("remove: x-tenant-id"), text.index("envoy.filters.http.ext_proc")
+    assert text.index("envoy.filters.http.header_mutation") < strip < ext_proc
+    assert "x-tenant-id" not in render(BootstrapParams())
+    path = tmp_path / "bootstrap.yaml"
+    path.write_text(text)
+    validate_in_envoy(path)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_cluster_that_carries_requests_has_breakers_sized_for_llm_streams(mode):
+    params = BootstrapParams(mode=mode, body_mode="streamed", max_concurrent=5000)
+    clusters = {c["name"]: c for c in build_bootstrap(params)["static_resources"]["clusters"]}
+    carrying = [n for n in clusters if n == "vllm" or n.startswith("prefix_router")]
+    assert "vllm" in carrying and "prefix_router" in carrying and len(carrying) >= 3
+    for name in carrying:
+        (limits,) = clusters[name]["circuit_breakers"]["thresholds"]
+        assert limits["max_requests"] == limits["max_pending_requests"] == 5000, name
+        assert limits["max_connections"] == 5000 and limits["max_retries"] == 312, name
+    # The mesh snippets carry the shipped defaults.
+    mesh = ENVOY_DIR.parent / "docs" / "mesh"
+    for snippet in (
+        "cluster-router.yaml",
+        "cluster-override-host.yaml",
+        "cluster-original-dst.yaml",
+    ):
+        (cluster, *_) = yaml.safe_load((mesh / snippet).read_text())
+        (limits,) = cluster["circuit_breakers"]["thresholds"]
+        assert limits["max_requests"] == BootstrapParams.max_concurrent, snippet

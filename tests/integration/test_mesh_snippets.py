@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from extproc.adapter.messages import TARGET_HEADER
-from extproc.stack.bootstrap import BootstrapParams, build_bootstrap
+from extproc.stack.bootstrap import CLIENT_ROUTING_HEADERS, BootstrapParams, build_bootstrap
 from extproc.stack.local import LocalStack, StackSpec, envoy_binary
 from extproc.stack.processes import ManagedProcess, free_ports, http_ok, tcp_open, wait_until
 
@@ -548,3 +548,6 @@ def test_envoy_gateway_settings_match_the_envoy_snippets():
     assert ",".join(traffic["retry"]["retryOn"]["triggers"]) == retry["retry_on"]
     limit = manifests["ClientTrafficPolicy"]["connection"]["bufferLimit"]
     assert int(limit.removesuffix("Mi")) * 1024 * 1024 == BootstrapParams.buffer_limit_bytes
+    # The same client routing headers the other recipes strip, before any filter runs.
+    early = manifests["ClientTrafficPolicy"]["headers"]["earlyRequestHeaders"]
+    assert early == {"remove": list(CLIENT_ROUTING_HEADERS)}

@@ -135,6 +135,22 @@ def test_salt_from_header_alias_and_body():
     assert extract_key(b"raw", {"x-prefix-aware-id": "t"}, NATIVE, 1024).salt == "t"
 
 
+def test_a_trusted_salt_header_is_the_only_salt():
+    body = json.dumps(
+        chat([{"role": "user", "content": "x"}], prompt_cache_key="from-client")
+    ).encode()
+    client = {"x-prefix-aware-id": "client-a", "x-amzn-sagemaker-prefix-aware-id": "client-b"}
+    trusted = {**client, "x-tenant-id": "tenant-7"}
+    assert extract_key(body, trusted, OPENAI, 1024, "x-tenant-id").salt == "tenant-7"
+    # Without the trusted header: no salt at all, whatever the client sent.
+    key = extract_key(body, client, OPENAI, 1024, "x-tenant-id")
+    assert key.salt is None and key.salt_rejected is None
+    assert extract_key(b"raw", trusted, NATIVE, 1024, "x-tenant-id").salt == "tenant-7"
+    # A malformed value is refused and reported, as the client's are.
+    bad = extract_key(body, {"x-tenant-id": "caf\u00e9"}, OPENAI, 1024, "x-tenant-id")
+    assert bad.salt is None and bad.salt_rejected == "header x-tenant-id"
+
+
 def test_bad_salts_are_ignored_and_reported():
     for value in ["", "x" * 65, "caf\u00e9", "tab\there", "nul\x00"]:
         key = extract_key(b"{}", {"x-prefix-aware-id": value}, OPENAI, 1024)

@@ -10,8 +10,8 @@ failure prints its seed.
 
 Properties: nothing raises out, every message is answered well inside Envoy's
 ``message_timeout`` (in half of it), every message gets an answer of its own kind, and
-every request gets either a routing decision over the published hosts or a clear 503 from
-the router.
+every request gets either a routing decision over the published hosts or an aborted stream
+(no hosts, a bug), which Envoy's failure mode then decides.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import grpc
 import pytest
 import structlog
 from hypothesis import HealthCheck, given, settings
@@ -38,6 +39,7 @@ from extproc.adapter.phases import Phase, RequestStream
 from extproc.adapter.routing import Router
 from extproc.adapter.service import ExternalProcessor
 from extproc.config import RouterConfig
+from extproc.errors import StreamAborted
 from extproc.picker.hosts import HostSet
 from extproc.picker.keys import MAX_SALT_LENGTH, KeyMode, KeySource, extract_key
 from extproc.stack.bootstrap import BootstrapParams
@@ -319,20 +321,21 @@ def check_answers(
     requests: list[ProcessingRequest],
     responses: list[ProcessingResponse],
     published: frozenset[str],
+    aborted: bool = False,
 ) -> None:
-    """One answer per non-empty message, of its kind (or a 503); exactly one decision or
-    refusal when a message could carry one, over the published hosts only."""
+    """One answer per non-empty message, of its kind; exactly one decision, or an aborted
+    stream (no hosts, a bug: Envoy's failure mode decides), when a message could carry
+    one, over the published hosts only. An aborted stream answers nothing more."""
     expected = [r for r in requests if r.WhichOneof("request") is not None]
+    if aborted:
+        assert len(responses) < len(expected), (sequence, responses)
+        expected = expected[: len(responses)]
     assert len(responses) == len(expected), (sequence, responses)
-    routed = 0
+    routed = 1 if aborted else 0
     for request, response in zip(expected, responses, strict=True):
         kind = response.WhichOneof("response")
-        assert kind in (request.WhichOneof("request"), "immediate_response"), (sequence, kind)
-        if kind == "immediate_response":
-            assert response.immediate_response.status.code == 503
-            assert response.immediate_response.details.startswith("prefix_router_")
-            routed += 1
-        elif response.dynamic_metadata.fields:
+        assert kind == request.WhichOneof("request"), (sequence, kind)
+        if response.dynamic_metadata.fields:
             value = response.dynamic_metadata.fields[messages.LB_METADATA_NAMESPACE]
             targets = value.struct_value.fields[messages.LB_METADATA_KEY].string_value
             assert set(targets.split(",")) <= published
@@ -369,15 +372,23 @@ def test_phase_machine_on_malformed_sequences():
         requests = [build_message(k, body, headers) for k in sequence]
         stream = RequestStream(router)
         responses = []
+        aborted = False
         for message in requests:
             with collector_paused():
                 started = time.perf_counter()
-                answers = stream.on_message(message)
+                try:
+                    answers = stream.on_message(message)
+                except StreamAborted as error:
+                    assert empty and error.reason == "prefix_router_no_hosts"
+                    aborted = True  # the servicer ends the stream here
+                    answers = ()
                 elapsed = time.perf_counter() - started
             assert elapsed < CALL_BOUND_S, (sequence, kind, seed, elapsed)
             responses.extend(answers)
+            if aborted:
+                break
         published = frozenset() if empty else HostSet.of(HOSTS).addresses
-        check_answers(sequence, requests, responses, published)
+        check_answers(sequence, requests, responses, published, aborted)
         stream.close()
         assert stream.phase is Phase.CLOSED
         assert router.in_flight.total() == 0  # every slot released
@@ -399,8 +410,24 @@ async def _messages(
         await asyncio.sleep(0)
 
 
+class _Aborted(Exception):
+    """What grpc.aio's ``context.abort`` raises, to end the handler."""
+
+    def __init__(self, code: Any, details: str) -> None:
+        super().__init__(code, details)
+        self.code, self.details = code, details
+
+
+class _Context:
+    """The one thing the servicer asks of gRPC's context: ``abort``."""
+
+    async def abort(self, code: Any, details: str = "") -> None:
+        raise _Aborted(code, details)
+
+
 class _Exploding(Router):
-    """A router whose decision raises an unexpected error: it must cost one 503."""
+    """A router whose decision raises an unexpected error: it must cost one aborted
+    stream, which Envoy's failure mode then decides."""
 
     def route(self, headers, body):  # type: ignore[no-untyped-def]
         raise RuntimeError("boom")
@@ -422,14 +449,19 @@ def test_servicer_streams_in_process():
 
     async def drive(
         processor: ExternalProcessor, requests: list[ProcessingRequest]
-    ) -> tuple[list[ProcessingResponse], float]:
-        """The answers, and the longest any took after the message it answers."""
+    ) -> tuple[list[ProcessingResponse], float, _Aborted | None]:
+        """The answers, the longest any took after the message it answers, and how the
+        stream was aborted, if it was."""
         sent: list[float] = []
         responses, slowest = [], 0.0
-        async for response in processor.process(_messages(requests, sent), None):  # type: ignore[arg-type]
+        try:
+            async for response in processor.process(_messages(requests, sent), _Context()):  # type: ignore[arg-type]
+                slowest = max(slowest, time.perf_counter() - sent[-1])
+                responses.append(response)
+        except _Aborted as aborted:
             slowest = max(slowest, time.perf_counter() - sent[-1])
-            responses.append(response)
-        return responses, slowest
+            return responses, slowest, aborted
+        return responses, slowest, None
 
     @fuzz_settings(15_000)
     @given(
@@ -446,18 +478,18 @@ def test_servicer_streams_in_process():
         requests = [build_message(k, body, headers) for k in sequence]
         processor = processors[which]
         with collector_paused():  # the wait_for only turns a hang into a failure
-            responses, slowest = loop.run_until_complete(
+            responses, slowest, aborted = loop.run_until_complete(
                 asyncio.wait_for(drive(processor, requests), 5)
             )
         assert slowest < CALL_BOUND_S, (sequence, kind, seed, slowest)
         published = HostSet.of(HOSTS).addresses if which == "hosts" else frozenset()
-        check_answers(sequence, requests, responses, published)
-        if which == "explodes":
-            assert all(
-                r.immediate_response.details == "prefix_router_internal_error"
-                for r in responses
-                if r.WhichOneof("response") == "immediate_response"
-            )
+        check_answers(sequence, requests, responses, published, aborted is not None)
+        if aborted is not None:
+            expected = {
+                "empty": (grpc.StatusCode.UNAVAILABLE, "prefix_router_no_hosts"),
+                "explodes": (grpc.StatusCode.INTERNAL, "prefix_router_internal_error"),
+            }
+            assert (aborted.code, aborted.details) == expected[which], (which, aborted)
         assert processor.router.in_flight.total() == 0
         assert metrics.STREAMS._value.get() == open_streams
 
