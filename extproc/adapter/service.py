@@ -234,6 +234,17 @@ def check_socket_path_free(path: str) -> None:
     raise OSError(f"cannot listen on unix:{path}: another process is listening on it")
 
 
+def server_options() -> list[tuple[str, int]]:
+    """The ext_proc server's gRPC options (the overhead bench's noop processor uses them too)."""
+    return [
+        # Envoy sends up to its buffer limit (8 MiB by default) of body in one message;
+        # gRPC's default 4 MiB cap would fail those streams.
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        *keepalive.server_options(),
+    ]
+
+
 async def serve(
     config: RouterConfig,
     stop: asyncio.Event | None = None,
@@ -244,15 +255,7 @@ async def serve(
     """Run the router until ``stop`` is set (or SIGINT/SIGTERM), then drain and exit.
     ``on_listening`` is called once its ports are bound and the gRPC server started."""
     router = Router(config)
-    server = grpc.aio.server(
-        options=[
-            # Envoy sends up to its buffer limit (8 MiB by default) of body in one message;
-            # gRPC's default 4 MiB cap would fail those streams.
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            *keepalive.server_options(),
-        ]
-    )
+    server = grpc.aio.server(options=server_options())
     stop = stop or asyncio.Event()
     server.add_generic_rpc_handlers(
         (ExternalProcessor(router).handler(), AccessLogSink(router, stop).handler())

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ import structlog
 
 from extproc.bench import probes, report
 from extproc.stack.bootstrap import BODY_MODES
-from extproc.stack.local import LocalStack, StackSpec, envoy_binary
+from extproc.stack.local import LocalStack, StackSpec, envoy_binary, envoy_counters
 
 log = structlog.get_logger("bench")
 
@@ -52,21 +51,17 @@ def reply_tokens(stream_s: float, itl_s: float) -> int:
     return max(1, round(stream_s / itl_s))
 
 
-def _envoy_stat(admin_url: str, name: str) -> float:
-    with urllib.request.urlopen(f"{admin_url}/stats?filter=^{name}$", timeout=2) as response:
-        text = response.read().decode().strip()
-    return float(text.rsplit(":", 1)[1]) if text else 0.0
-
-
 def _sample(stack: LocalStack, started: float) -> dict[str, float]:
     assert stack.router is not None and stack.router.popen is not None
     router = probes.scrape(stack.router_metrics_url)
     return {
         "t": round(time.monotonic() - started, 2),
-        "ext_proc_streams": _envoy_stat(
-            stack.admin_url, "cluster.prefix_router.upstream_rq_active"
+        "ext_proc_streams": envoy_counters(stack.admin_url, "cluster.prefix_router.").get(
+            "upstream_rq_active", 0.0
         ),
-        "backend_requests": _envoy_stat(stack.admin_url, "cluster.vllm.upstream_rq_active"),
+        "backend_requests": envoy_counters(stack.admin_url, "cluster.vllm.").get(
+            "upstream_rq_active", 0.0
+        ),
         "router_in_flight": probes.total(router, "prefix_router_in_flight_requests"),
         "router_rss": probes.rss_bytes(stack.router.popen.pid),
     }

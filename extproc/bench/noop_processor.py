@@ -20,9 +20,8 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from extproc import keepalive
 from extproc.adapter import messages
-from extproc.adapter.service import MAX_MESSAGE_BYTES, SERVICE_NAME, loop_factory
+from extproc.adapter.service import SERVICE_NAME, loop_factory, server_options
 from extproc.config import RouterConfig
 
 
@@ -37,13 +36,7 @@ async def process(
 
 
 async def serve(listen: str) -> None:
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            *keepalive.server_options(),
-        ]
-    )
+    server = grpc.aio.server(options=server_options())
     handler = grpc.method_handlers_generic_handler(
         SERVICE_NAME,
         {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from extproc.bench import probes
 from extproc.stack.local import LocalStack, start_router
 from extproc.stack.processes import free_port_run
 
@@ -13,11 +14,7 @@ from ..reliability.stacks import PINNED_ROUTING, reliability_spec
 
 
 def decisions(metrics_url: str) -> float:
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in httpx.get(metrics_url).text.splitlines()
-        if line.startswith("prefix_router_decisions_total{")
-    )
+    return probes.total(probes.scrape(metrics_url), "prefix_router_decisions_total")
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from extproc.bench import probes
 from extproc.stack.bootstrap import BootstrapParams
 from extproc.stack.local import LocalStack, StackSpec, envoy_counters
 
@@ -60,9 +61,7 @@ async def hold(url: str, count: int, rate: float) -> tuple[list[int], int]:
 
 
 def decisions(stack: LocalStack) -> float:
-    lines = httpx.get(stack.router_metrics_url).text.splitlines()
-    prefix = "prefix_router_decisions_total{"
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix))
+    return probes.total(probes.scrape(stack.router_metrics_url), "prefix_router_decisions_total")
 
 
 @pytest.mark.timeout(240)

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from extproc.bench import probes
 from extproc.keepalive import PING_INTERVAL_S, PING_TIMEOUT_S
 from extproc.stack.local import LocalStack, envoy_counters
 from extproc.stack.processes import wait_until
@@ -29,8 +30,7 @@ HEALTH_CHECK_S = 3
 
 def summed(stack: LocalStack, replica: int, name: str) -> float:
     """A labelled metric of one router replica, summed over its labels."""
-    lines = httpx.get(stack.replica_metrics_url(replica)).text.splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
+    return probes.total(probes.scrape(stack.replica_metrics_url(replica)), name)
 
 
 def decisions(stack: LocalStack, replica: int) -> float:
