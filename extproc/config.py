@@ -22,6 +22,7 @@ from extproc.picker.keys import KeyMode
 from extproc.schema import (
     LOG_LEVELS,
     MAX_SOCKET_PATH_BYTES,
+    PEM_FILE,
     Address,
     FrozenModel,
     HeaderName,
@@ -29,6 +30,10 @@ from extproc.schema import (
     LogLevel,
     Name,
     Number,
+    PemFile,
+    check_ca,
+    check_key_pair,
+    check_needs,
     described,
     env_values,
     finite,
@@ -70,6 +75,7 @@ class PrefixMatch(StrEnum):
 
 # Optional, so its range sits inside the Annotated (JSON Schema then shows it).
 BalanceFactor = Annotated[float, Strict(), Field(ge=1.0, le=10), AfterValidator(finite)]
+PrefillRate = Annotated[float, Field(ge=100, le=100_000_000), AfterValidator(finite)]
 
 
 class RouterConfig(FrozenModel):
@@ -145,6 +151,14 @@ class RouterConfig(FrozenModel):
         ge=0,
         le=100,
     )
+    prefill_tokens_per_s: PrefillRate | None = described(
+        "prefix_match longest: how many prompt tokens one engine prefills a second. Each "
+        "decision queues the tokens its host lacks, the queue drains at this rate, and a "
+        "host's queue counts in the cost like prefill of the prompt's own, so a burst of "
+        "new prompts spreads over idle hosts instead of queueing on one. null: not "
+        "counted.",
+        30000.0,
+    )
     concurrency_threshold: StrictInt = described(
         "Requests in flight on a host at which new requests for its prefixes overflow "
         "to the prefix's next host.",
@@ -157,7 +171,7 @@ class RouterConfig(FrozenModel):
         "(bounded-load consistent hashing, never below balance_min_in_flight). fixed "
         "overflows a host at its bound; longest charges overload_cost for each "
         "request beyond it. null turns it off.",
-        1.5,
+        2.0,
     )
     balance_min_in_flight: StrictInt = described(
         "The balance bound is never below this many requests in flight, so a lightly "
@@ -253,6 +267,48 @@ class RouterConfig(FrozenModel):
         ge=1.0,
         le=3600.0,
     )
+    tls_cert_file: PemFile | None = described(
+        "TLS on listen (ext_proc, the completion log and Envoy's health checks): the "
+        "certificate chain this router presents, PEM; with tls_key_file. Envoy's router "
+        "cluster then needs a TLS context (`envoy-config --router-tls-ca`). ip:port "
+        "listen only: a Unix socket is guarded by its file permissions. null: plaintext.",
+        None,
+        allowed=PEM_FILE,
+    )
+    tls_key_file: PemFile | None = described(
+        "The private key of tls_cert_file, PEM.", None, allowed=PEM_FILE
+    )
+    tls_client_ca_file: PemFile | None = described(
+        "mTLS on listen: the CA certificates a client's certificate must chain to. Set, "
+        "a client that presents no certificate, or one these CAs did not sign, is refused "
+        "in the TLS handshake (`envoy-config --router-tls-cert/--router-tls-key` give "
+        "Envoy its certificate). Needs tls_cert_file.",
+        None,
+        allowed=PEM_FILE,
+    )
+    control_plane_ca_file: PemFile | None = described(
+        "TLS to the control plane: the CA certificates its certificate must chain to. "
+        "The certificate must also name control_plane's IP (an IP subjectAltName), or "
+        "control_plane_server_name. null: plaintext.",
+        None,
+        allowed=PEM_FILE,
+    )
+    control_plane_cert_file: PemFile | None = described(
+        "mTLS to the control plane: the certificate chain this router presents (signed by "
+        "a CA of the control plane's tls_client_ca_file), PEM; with control_plane_key_file. "
+        "Needs control_plane_ca_file.",
+        None,
+        allowed=PEM_FILE,
+    )
+    control_plane_key_file: PemFile | None = described(
+        "The private key of control_plane_cert_file, PEM.", None, allowed=PEM_FILE
+    )
+    control_plane_server_name: Name | None = described(
+        "The DNS name the control plane's certificate must carry (and the TLS server "
+        "name sent), when it names a host rather than control_plane's IP.",
+        None,
+        allowed="a DNS name",
+    )
     log_level: LogLevel = described("The lowest level logged.", "info")
 
     @model_validator(mode="after")
@@ -286,6 +342,36 @@ class RouterConfig(FrozenModel):
                     f"at most {65536 - port} with {name} on port {port} (worker i listens on "
                     "its port + i)",
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _tls_settings_agree(self) -> RouterConfig:
+        check_key_pair(self, "tls_cert_file", "tls_key_file")
+        check_needs(
+            self,
+            "tls_client_ca_file",
+            "tls_cert_file",
+            "a client certificate is asked for in a TLS handshake",
+        )
+        check_ca(self, "tls_client_ca_file")
+        if self.tls_cert_file is not None and socket_path(self.listen) is not None:
+            raise ConfigError(
+                "tls_cert_file",
+                self.tls_cert_file,
+                "null when listen is a Unix socket (its file permissions guard it)",
+            )
+        for name in (
+            "control_plane_ca_file",
+            "control_plane_cert_file",
+            "control_plane_server_name",
+        ):
+            check_needs(self, name, "control_plane", "it applies to the link to the control plane")
+        check_key_pair(self, "control_plane_cert_file", "control_plane_key_file")
+        for name in ("control_plane_cert_file", "control_plane_server_name"):
+            check_needs(
+                self, name, "control_plane_ca_file", "TLS to the control plane needs its CA"
+            )
+        check_ca(self, "control_plane_ca_file")
         return self
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import math
+import ssl
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping
@@ -119,6 +120,38 @@ def _dns_name(value: Any) -> str:
     return str(value)
 
 
+def _pem_file(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise _invalid("a path to a PEM file")
+    try:
+        with open(value, "rb") as file:
+            text = file.read(1_048_576)
+    except OSError as error:
+        raise _invalid(f"a readable PEM file ({error.strerror})") from None
+    if b"-----BEGIN " not in text:
+        raise _invalid("a PEM file (no -----BEGIN line in it)")
+    return value
+
+
+def key_pair_problem(cert_file: str, key_file: str) -> str | None:
+    """Why ``key_file`` is not the private key of the certificate in ``cert_file``, or
+    None. Checked at load: with a mismatched pair gRPC only says it failed to bind."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_file, key_file)
+    except (ssl.SSLError, OSError) as error:
+        return f"the private key of the certificate in {cert_file} ({error})"
+    return None
+
+
+def ca_problem(ca_file: str) -> str | None:
+    """Why ``ca_file`` is not a bundle of CA certificates, or None."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(ca_file)
+    except (ssl.SSLError, OSError) as error:
+        return f"a PEM bundle of CA certificates ({error})"
+    return None
+
+
 # An IP literal and a port, normalised ("[::1]:08000" -> "[::1]:8000").
 Address = Annotated[str, BeforeValidator(_address)]
 # An Address, or a Unix socket: ``unix:/absolute/path``.
@@ -129,6 +162,10 @@ DnsName = Annotated[str, BeforeValidator(_dns_name)]
 # a pseudo-header.
 HeaderName = Annotated[str, Strict(), Field(pattern=r"^[a-z0-9!#$%&'*+.^_`|~-]+$", max_length=128)]
 Name = Annotated[str, Strict(), Field(min_length=1)]
+# A file that exists, can be read and holds PEM (a certificate, a key or a CA bundle). It
+# is read again when the process starts: a restart picks up a renewed certificate.
+PemFile = Annotated[str, BeforeValidator(_pem_file)]
+PEM_FILE = "a path to a readable PEM file"
 
 
 def described(
@@ -158,6 +195,35 @@ def check_at_most(
     if limit is not None and value > limit:
         raise _invalid(f"{allowed_text(field)} ({sibling} is {limit:g})")
     return value
+
+
+def check_key_pair(config: BaseModel, cert: str, key: str) -> None:
+    """ConfigError unless the fields ``cert`` and ``key`` are both null, or both set to a
+    certificate and its own private key."""
+    cert_file, key_file = getattr(config, cert), getattr(config, key)
+    if cert_file is None and key_file is None:
+        return
+    if cert_file is None or key_file is None:
+        missing, given = (key, cert) if key_file is None else (cert, key)
+        raise ConfigError(missing, None, f"a PEM file when {given} is set (they go together)")
+    problem = key_pair_problem(cert_file, key_file)
+    if problem is not None:
+        raise ConfigError(key, key_file, problem)
+
+
+def check_ca(config: BaseModel, field: str) -> None:
+    """ConfigError unless the field ``field`` is null or a bundle of CA certificates."""
+    ca_file = getattr(config, field)
+    problem = None if ca_file is None else ca_problem(ca_file)
+    if problem is not None:
+        raise ConfigError(field, ca_file, problem)
+
+
+def check_needs(config: BaseModel, field: str, needed: str, why: str) -> None:
+    """ConfigError if the field ``field`` is set while ``needed`` is null."""
+    value = getattr(config, field)
+    if value is not None and getattr(config, needed) is None:
+        raise ConfigError(field, value, f"null unless {needed} is set ({why})")
 
 
 # --- reading a model's declarations -----------------------------------------------------

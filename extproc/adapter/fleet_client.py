@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -18,7 +19,7 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
-from extproc import keepalive, metrics
+from extproc import keepalive, metrics, tls
 from extproc.adapter.routing import Router
 from extproc.control.resources import CLA_TYPE_URL, cla_to_fleet, cla_to_loads, is_load_resource
 from extproc.control.snapshot import LOAD_SUFFIX, SnapshotError
@@ -29,15 +30,35 @@ log = structlog.get_logger("fleet_client")
 ADS_METHOD = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources"
 
 
+def _describe(error: BaseException) -> str:
+    """An error for the log: a gRPC error's status and details (a refused TLS handshake
+    says why there), without the repr that would push them past the cut."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name}: {error.details()}"[:400]
+    return str(error)[:200]
+
+
 class StreamEnded(Exception):
     """The control plane closed or broke the stream; reconnect."""
 
 
+@dataclass(frozen=True)
+class FleetTls:
+    """TLS to the control plane: whom to trust and what to present, and the name its
+    certificate must carry when not the target's IP."""
+
+    credentials: grpc.ChannelCredentials
+    server_name: str | None = None
+
+
 class FleetClient:
-    def __init__(self, router: Router, target: str, cluster: str) -> None:
+    def __init__(
+        self, router: Router, target: str, cluster: str, tls: FleetTls | None = None
+    ) -> None:
         self._router = router
         self._target = target
         self._cluster = cluster
+        self._tls = tls
         self._node_id = f"prefix-router-{socket.gethostname()}-{id(self):x}"
         # The current attempt of the current backoff (1: the first try after a session
         # that received the fleet), and whether this session has received anything.
@@ -78,9 +99,15 @@ class FleetClient:
                 metrics.FLEET_UPDATES.labels("hosts").inc()
                 log.info("fleet_updated", hosts=sorted(hosts.addresses))
 
+    def _channel(self) -> grpc.aio.Channel:
+        options: list[tuple[str, str | int]] = [*keepalive.channel_options()]
+        if self._tls is None:
+            return grpc.aio.insecure_channel(self._target, options=options)
+        options += tls.server_name_options(self._tls.server_name)
+        return grpc.aio.secure_channel(self._target, self._tls.credentials, options=options)
+
     async def _session(self) -> None:
-        options = keepalive.channel_options()
-        async with grpc.aio.insecure_channel(self._target, options=options) as channel:
+        async with self._channel() as channel:
             call = channel.stream_stream(
                 ADS_METHOD,
                 request_serializer=discovery_pb2.DiscoveryRequest.SerializeToString,
@@ -140,7 +167,7 @@ class FleetClient:
                             "control_plane_unreachable",
                             target=self._target,
                             attempt=self.attempt,
-                            error=str(error)[:200],
+                            error=_describe(error),
                         )
                         if self._received:
                             return  # a healthy session ended: a fresh backoff

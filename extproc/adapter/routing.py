@@ -20,6 +20,7 @@ from extproc.adapter.unseen import UnseenDecisions
 from extproc.config import PrefixMatch, RouterConfig
 from extproc.control.model import HostLoad
 from extproc.index.popularity import PrefixPopularity, heat_of
+from extproc.index.prefill import PendingPrefill
 from extproc.index.prefix import IndexSizing, PrefixIndex
 from extproc.picker.affinity import LoadPolicy, decide_prefix
 from extproc.picker.blocks import chain_seed, prompt_blocks
@@ -54,6 +55,7 @@ class Router:
         self.index = PrefixIndex(index_sizing(config))
         self._evicted_counted = dict(self.index.evicted)
         self.popularity = PrefixPopularity()
+        self.prefill = pending_prefill(config)
         self._rng = rng or random.Random()
         self._clock = clock
         self._wall_clock = wall_clock
@@ -88,6 +90,8 @@ class Router:
             self.index.clear()
             self.popularity.clear()
             log.info("prefix_index_cleared", reason="index settings changed")
+        if pending_prefill_rate(old) != pending_prefill_rate(config):
+            self.prefill = pending_prefill(config)
         self.index.sizing = index_sizing(config)
         self.index.resize()
         self._count_evictions()
@@ -103,6 +107,8 @@ class Router:
         """Swap in a newly published host set; decisions after this use it."""
         self.hosts = hosts
         self.index.retain(hosts.addresses)
+        if self.prefill is not None:
+            self.prefill.retain(hosts.addresses)
         self._count_evictions()
         metrics.HOSTS.set(len(hosts))
         self.ready.set()
@@ -212,6 +218,8 @@ class Router:
         lookup = self.index.lookup(blocks, hosts.addresses)
         heat = heat_of(self.popularity, blocks, len(hosts), config.hot_prefix_factor)
         weights = self.placement_weights(hosts)
+        now = self._clock()
+        prefill = self.prefill
         decision = decide_prefix(
             lookup,
             heat,
@@ -220,6 +228,7 @@ class Router:
             weights,
             self._policy,
             config.failover_hosts,
+            prefill.snapshot(now) if prefill is not None else None,
         )
         log.debug(
             "prefix_decision",
@@ -236,6 +245,8 @@ class Router:
         self.popularity.observe(blocks.counted)
         if blocks.length:
             matched = lookup.depth_on(decision.primary) * blocks.block_bytes
+            if prefill is not None:
+                prefill.add(decision.primary, blocks.length - matched, now)
             metrics.PREFIX_MATCHED.observe(matched / blocks.length)
             metrics.PROMPT_BYTES.inc(blocks.length)
             metrics.MATCHED_BYTES.inc(matched)
@@ -287,6 +298,18 @@ def load_policy(config: RouterConfig) -> LoadPolicy:
         config.balance_min_in_flight,
         config.overload_cost,
     )
+
+
+def pending_prefill_rate(config: RouterConfig) -> float | None:
+    """Prompt bytes an engine prefills a second; None: queued prefill is not counted."""
+    if config.prefill_tokens_per_s is None:
+        return None
+    return config.prefill_tokens_per_s * config.chars_per_token
+
+
+def pending_prefill(config: RouterConfig) -> PendingPrefill | None:
+    rate = pending_prefill_rate(config)
+    return None if rate is None else PendingPrefill(rate)
 
 
 def index_sizing(config: RouterConfig) -> IndexSizing:

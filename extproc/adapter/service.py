@@ -18,10 +18,10 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
-from extproc import keepalive, metrics
+from extproc import keepalive, metrics, tls
 from extproc.adapter import messages
 from extproc.adapter.access_log import AccessLogSink
-from extproc.adapter.fleet_client import FleetClient
+from extproc.adapter.fleet_client import FleetClient, FleetTls
 from extproc.adapter.phases import RequestStream
 from extproc.adapter.routing import Router
 from extproc.config import EventLoop, RouterConfig, StreamEnd, load_config
@@ -136,6 +136,14 @@ class ConfigReloader:
         "cluster",
         "workers",
         "event_loop",
+        # The TLS files are read at start.
+        "tls_cert_file",
+        "tls_key_file",
+        "tls_client_ca_file",
+        "control_plane_ca_file",
+        "control_plane_cert_file",
+        "control_plane_key_file",
+        "control_plane_server_name",
     )
 
     def __init__(self, router: Router, path: Path, overrides: Mapping[str, Any]) -> None:
@@ -234,6 +242,16 @@ def check_socket_path_free(path: str) -> None:
     raise OSError(f"cannot listen on unix:{path}: another process is listening on it")
 
 
+def fleet_tls(config: RouterConfig) -> FleetTls | None:
+    """How the xDS client reaches the control plane: None for plaintext."""
+    if config.control_plane_ca_file is None:
+        return None
+    credentials = tls.channel_credentials(
+        config.control_plane_ca_file, config.control_plane_cert_file, config.control_plane_key_file
+    )
+    return FleetTls(credentials, config.control_plane_server_name)
+
+
 def server_options() -> list[tuple[str, int]]:
     """The ext_proc server's gRPC options (the overhead bench's noop processor uses them too)."""
     return [
@@ -265,14 +283,15 @@ async def serve(
     path = socket_path(config.listen)
     if path is not None:
         check_socket_path_free(path)
-    port = server.add_insecure_port(config.listen)
-    if port == 0:
-        raise OSError(f"cannot listen on {config.listen}")
+    credentials = tls.server_credentials(
+        config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file
+    )
+    tls.listen(server, config.listen, credentials)
     metrics_host, _, metrics_port = config.metrics_listen.rpartition(":")
     metrics_server, metrics_thread = start_http_server(int(metrics_port), addr=metrics_host)
     background: list[asyncio.Task[None]] = []
     if config.control_plane is not None:
-        client = FleetClient(router, config.control_plane, config.cluster)
+        client = FleetClient(router, config.control_plane, config.cluster, fleet_tls(config))
         background.append(asyncio.create_task(client.run(stop)))
     if config_path is not None:
         reloader = ConfigReloader(router, config_path, overrides or {})
@@ -298,7 +317,9 @@ async def serve(
         listen=config.listen,
         metrics=config.metrics_listen,
         strategy=config.routing_strategy.value,
+        tls=tls.server_mode(config.tls_cert_file, config.tls_client_ca_file),
         control_plane=config.control_plane,
+        control_plane_tls=config.control_plane_ca_file is not None,
         hosts=len(router.hosts),
         event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0],
     )

@@ -15,7 +15,7 @@ import structlog
 
 from extproc.bench import report
 from extproc.control.config import ControlPlaneConfig
-from extproc.stack.local import LocalStack, StackSpec
+from extproc.stack.local import INSTANT_PREFILL, LocalStack, StackSpec
 from extproc.stack.processes import free_port, wait_until
 
 log = structlog.get_logger("bench")
@@ -76,7 +76,9 @@ def one_round(options: FleetEventOptions) -> RoundResult:
     # Caches that hold every prefix sent (2 x 200 of ~2.2k tokens over 3 hosts): a prefix
     # the engine evicted may rightly move, and would blur what "cached" measures.
     spec = StackSpec.ephemeral(
-        3, sim_args=("--ttft-ms", "0", "--itl-ms", "0", "--capacity-blocks", "40000")
+        3,
+        sim_args=("--ttft-ms", "0", "--itl-ms", "0", "--capacity-blocks", "40000"),
+        router_settings=INSTANT_PREFILL,
     )
     docs = range(options.prefixes)
     fresh = range(options.prefixes, 2 * options.prefixes)

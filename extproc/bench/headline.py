@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.bench.ceiling import SHARE_CAP, stored_ceiling
+from extproc.bench.prefix_index import lookup_insert_us
 
 PAGE = "README.md"
 OURS = "PREFIX_AWARE"
@@ -190,7 +191,7 @@ def _prefix_index_row(runs: Runs) -> Row | None:
     default = run["default_block_bytes"]
     fewest = min(c["hosts"] for c in run["costs"])
     (cost,) = [c for c in run["costs"] if c["block_bytes"] == default and c["hosts"] == fewest]
-    total = cost["hash_us"] + cost["lookup_us"] + cost["record_us"] + cost["popularity_us"]
+    total = lookup_insert_us(cost)
     chars = run["options"]["prompt_chars"]
     return Row(
         f"prefix index lookup + insert, {chars:,}-character prompt, p50",

@@ -1,5 +1,9 @@
 """An open-loop load generator: each request is sent at its scheduled time, whatever the
-state of earlier ones, and its time to first token is read from the streamed response."""
+state of earlier ones, and its time to first token is read from the streamed response.
+
+The one exception is a conversation: its later turns resend the replies to the earlier
+ones, so a client sends turn k+1 only once it has turn k's reply, after a think time.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ class ScheduledRequest(Protocol):
 
     @property
     def group(self) -> str: ...
+
+    @property
+    def think_s(self) -> float | None: ...
 
 
 @dataclass(frozen=True)
@@ -72,21 +79,39 @@ async def run_open_loop(
     time_scale: float = 1.0,
     timeout_s: float = 300.0,
 ) -> tuple[list[RequestOutcome], float]:
-    """Send every request at ``at_s * time_scale``; returns outcomes (in request order) and
-    the wall time from the first send to the last completion."""
+    """Send every request at ``at_s * time_scale``, or, if it has a think time, that long
+    (times ``time_scale``) after the previous request of its group (in ``at_s`` order) has
+    ended; returns outcomes (in request order) and the wall time from the first send to
+    the last completion."""
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
+    ended: dict[int, asyncio.Event] = {}  # request index -> its response has ended
+    previous: dict[int, int] = {}  # request index -> the group's request before it
+    last_of_group: dict[str, int] = {}
+    for index in sorted(range(len(requests)), key=lambda i: requests[i].at_s):
+        group = requests[index].group
+        if requests[index].think_s is not None and group in last_of_group:
+            previous[index] = last_of_group[group]
+        last_of_group[group] = index
+        ended[index] = asyncio.Event()
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         loop = asyncio.get_running_loop()
         start = loop.time()
 
-        async def scheduled(request: ScheduledRequest) -> RequestOutcome:
-            delay = start + request.at_s * time_scale - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            return await _one(session, url, request)
+        async def scheduled(index: int, request: ScheduledRequest) -> RequestOutcome:
+            try:
+                if index in previous and request.think_s is not None:
+                    await ended[previous[index]].wait()
+                    await asyncio.sleep(request.think_s * time_scale)
+                else:
+                    delay = start + request.at_s * time_scale - loop.time()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                return await _one(session, url, request)
+            finally:
+                ended[index].set()
 
-        outcomes = await asyncio.gather(*(scheduled(r) for r in requests))
+        outcomes = await asyncio.gather(*(scheduled(i, r) for i, r in enumerate(requests)))
         return list(outcomes), loop.time() - start
 
 

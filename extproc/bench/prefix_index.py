@@ -31,6 +31,7 @@ from extproc.bench.offline import SESSION_HASH, OfflineFleet, simulate
 from extproc.bench.workloads import WorkloadName, WorkloadSpec, generate
 from extproc.config import RouterConfig
 from extproc.index.popularity import PrefixPopularity, heat_of
+from extproc.index.prefill import PendingPrefill
 from extproc.index.prefix import IndexSizing, PrefixIndex
 from extproc.picker.affinity import decide_prefix
 from extproc.picker.blocks import prompt_blocks
@@ -69,11 +70,19 @@ class CostResult:
     decide_us: float
     record_us: float
     popularity_us: float
+    # Reading every host's prefill queue, then adding this prompt's to one.
+    queue_us: float
 
     @property
     def lookup_insert_us(self) -> float:
-        """What the prefix index adds to a decision: hashing, lookup, record, popularity."""
-        return self.hash_us + self.lookup_us + self.record_us + self.popularity_us
+        """What the stateful producers add to a decision: hashing, lookup, record,
+        popularity and the prefill queues."""
+        return lookup_insert_us(asdict(self))
+
+
+def lookup_insert_us(cost: dict[str, Any]) -> float:
+    steps = ("hash_us", "lookup_us", "record_us", "popularity_us", "queue_us")
+    return float(sum(cost[step] for step in steps))
 
 
 @dataclass
@@ -124,17 +133,30 @@ def measure_cost(options: PrefixIndexOptions, block_bytes: int, hosts_count: int
     blocks = prompt_blocks(key, block_bytes, 7)
     lookup = index.lookup(blocks, addresses)
     heat = heat_of(popularity, blocks, len(hosts), 1.0)
-    policy = load_policy(RouterConfig())
+    config = RouterConfig()
+    policy = load_policy(config)
     loads = {a: rng.randrange(8) for a in addresses}
+    queues = PendingPrefill(config.prefill_tokens_per_s or 30_000.0)
+    for address in addresses:  # every host has prefill queued, none drained yet
+        queues.add(address, rng.randrange(1, 1 << 16), 0.0)
+    queued = queues.snapshot(0.0)
+
+    def queue_step() -> None:
+        queues.snapshot(0.0)
+        queues.add(addresses[0], len(key), 0.0)
+
     n = options.iterations
     return CostResult(
         block_bytes=block_bytes,
         hosts=hosts_count,
         hash_us=_median_us(lambda: prompt_blocks(key, block_bytes, 7), n),
         lookup_us=_median_us(lambda: index.lookup(blocks, addresses), n),
-        decide_us=_median_us(lambda: decide_prefix(lookup, heat, hosts, loads, {}, policy, 2), n),
+        decide_us=_median_us(
+            lambda: decide_prefix(lookup, heat, hosts, loads, {}, policy, 2, queued), n
+        ),
         record_us=_median_us(lambda: index.record(addresses[0], lookup), n),
         popularity_us=_median_us(lambda: popularity.observe(blocks.counted), n),
+        queue_us=_median_us(queue_step, n),
     )
 
 
@@ -207,6 +229,7 @@ def render(data: dict[str, Any]) -> str:
             f"{c.lookup_us:.1f}",
             f"{c.record_us:.1f}",
             f"{c.popularity_us:.1f}",
+            f"{c.queue_us:.1f}",
             f"**{c.lookup_insert_us:.1f}**",
             f"{c.decide_us:.1f}",
         ]
@@ -214,7 +237,7 @@ def render(data: dict[str, Any]) -> str:
     ]
     cost_table = report.markdown_table(
         ["block (bytes)", "hosts", "hash", "lookup", "record", "popularity",
-         "lookup + insert", "decide"],
+         "prefill queue", "lookup + insert", "decide"],
         cost_rows,
     )  # fmt: skip
     quality = [QualityResult(**q) for q in data["quality"]]
@@ -246,8 +269,9 @@ def render(data: dict[str, Any]) -> str:
 A {options["prompt_chars"]}-character prompt, half of it already on one host, against an
 index filled to its bound; median microseconds of {options["iterations"]} runs of each
 step, on this shared machine. "lookup + insert" is what the index adds to a decision:
-hashing the blocks, the lookup on every host, recording the prompt on its host, and
-counting it for popularity. "decide" is the pure decision over the lookup.
+hashing the blocks, the lookup on every host, recording the prompt on its host,
+counting it for popularity, and reading the hosts' prefill queues then adding the
+prompt's to its host's. "decide" is the pure decision over the lookup.
 
 {cost_table}
 

@@ -13,7 +13,7 @@ import heapq
 import math
 import random
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, Literal, get_args
 
@@ -37,6 +37,10 @@ class BenchRequest:
     headers: dict[str, str]
     group: str  # the shared prefix / conversation / tenant it belongs to
     prompt_tokens: int  # approximate, 4 characters per token
+    # A later turn of a conversation: the client sends it this long after the reply to the
+    # group's previous request has arrived (it resends that reply), not at ``at_s``, which
+    # is then only its order. None: sent at ``at_s``, whatever came before.
+    think_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,7 @@ class WorkloadSpec:
     assistant_turn_tokens_mean: float = 250.0
     turn_tokens_sigma: float = 1.0  # lognormal shape of turn lengths; 1.0 is heavy-tailed
     turn_tokens_max: int = 2048
-    think_time_mean_s: float = 5.0  # arrival of turn k+1 after turn k (includes the reply)
+    think_time_mean_s: float = 5.0  # from the reply to turn k to the client sending turn k+1
     # Multi-tenant: 32 tenants of ~8k tokens each, ~200k tokens in all, three times what one
     # simulated instance of the fleet benchmark caches (64k tokens), a third of the fleet's.
     tenants: int = 32
@@ -321,17 +325,20 @@ def _conversations(spec: WorkloadSpec, model: str) -> list[BenchRequest]:
         group = f"conv-{index}"
         history = [system]
         at_s = start_s
+        think_s = None
         # The whole conversation is drawn even past duration_s, so the random streams
         # (and hence the schedule) do not depend on where the run is cut.
         for turn in range(turns):
             if turn:
-                at_s += arrivals.expovariate(1 / spec.think_time_mean_s)
+                think_s = arrivals.expovariate(1 / spec.think_time_mean_s)
+                at_s += think_s
             user_tokens = turn_tokens(spec.user_turn_tokens_mean)
             user = {"role": "user", "content": _text(content, vocabulary, user_tokens)}
             reply_tokens = turn_tokens(spec.assistant_turn_tokens_mean)
             messages = [*history, user]
             if spec.duration_s is None or at_s <= spec.duration_s:
-                requests.append(_request(at_s, model, messages, reply_tokens, group))
+                request = _request(at_s, model, messages, reply_tokens, group)
+                requests.append(replace(request, think_s=think_s))
                 heapq.heappush(unsettled, at_s)
             # The reply the client will resend: what the simulator generates for max_tokens
             # (deterministic, as at temperature 0), so its cached output blocks can hit.
@@ -456,8 +463,9 @@ def _summary(spec: WorkloadSpec) -> str:
             f"~{s.user_turn_tokens_mean:g} and ~{s.assistant_turn_tokens_mean:g} tokens, "
             f"capped at {s.turn_tokens_max}; max_tokens is the assistant turn's length. "
             f"Conversations start as a Poisson process at rate_per_s / "
-            f"{s.conversation_turns_mean}; turn k+1 arrives an exponential think time "
-            f"(mean {s.think_time_mean_s} s) after turn k."
+            f"{s.conversation_turns_mean}; the client sends turn k+1 an exponential think "
+            f"time (mean {s.think_time_mean_s} s) after the reply to turn k has ended, as a "
+            f"client that resends the reply must."
         )
     body_key = s.tenants_with_body_key
     return (

@@ -7,6 +7,7 @@ import sys
 
 from extproc.cli.common import Commands, choices, ip_port, router_endpoint, usage_error
 from extproc.stack.bootstrap import BODY_MODES, MODES, BootstrapParams, RouterEndpoint
+from extproc.stack.upstream_tls import UpstreamTls
 
 DESCRIPTION = (
     "Print an Envoy bootstrap. The backend cluster's hosts come from one place per mode: in "
@@ -95,11 +96,61 @@ def register(commands: Commands) -> None:
         help="add x-upstream-host (the backend that served it) to every response: for "
         "demos and debugging; it shows clients the fleet's addresses",
     )
+    _add_tls_flags(parser, "router", "the routers (the ext_proc and completion-log clusters)")
+    _add_tls_flags(parser, "xds", "the control plane (the xds cluster; EDS only)")
     parser.set_defaults(handler=run)
+
+
+def _add_tls_flags(parser: argparse.ArgumentParser, link: str, upstreams: str) -> None:
+    group = parser.add_argument_group(
+        f"TLS to {upstreams}",
+        f"--{link}-tls-ca turns TLS on; with --{link}-tls-cert and --{link}-tls-key Envoy "
+        "presents a client certificate (mTLS). The paths are written as given, for the "
+        "machine Envoy runs on.",
+    )
+    group.add_argument(
+        f"--{link}-tls-ca",
+        metavar="FILE",
+        help="the CA certificates (PEM) the server's certificate must chain to",
+    )
+    group.add_argument(
+        f"--{link}-tls-cert", metavar="FILE", help="the certificate chain Envoy presents (PEM)"
+    )
+    group.add_argument(f"--{link}-tls-key", metavar="FILE", help="its private key (PEM)")
+    group.add_argument(
+        f"--{link}-tls-server-name",
+        metavar="NAME",
+        help="the DNS name the server's certificate must carry, also sent as SNI "
+        "(default: the certificate must carry the endpoint's IP)",
+    )
+
+
+def _tls_parts(args: argparse.Namespace, link: str) -> tuple[str | None, ...]:
+    return tuple(getattr(args, f"{link}_tls_{p}") for p in ("ca", "cert", "key", "server_name"))
+
+
+def _tls_problem(args: argparse.Namespace, link: str) -> str | None:
+    """Why the TLS flags of ``link`` (router or xds) do not go together, or None."""
+    ca, cert, key, name = _tls_parts(args, link)
+    if ca is None:
+        given = [f"--{link}-tls-{p}" for p, v in (("cert", cert), ("key", key)) if v]
+        given += [f"--{link}-tls-server-name"] if name else []
+        return f"{given[0]} needs --{link}-tls-ca" if given else None
+    if (cert is None) != (key is None):
+        return f"--{link}-tls-cert and --{link}-tls-key go together"
+    return None
+
+
+def _tls(args: argparse.Namespace, link: str) -> UpstreamTls | None:
+    """TLS to ``link``'s upstreams, or None for plaintext (after ``_tls_problem``)."""
+    ca, cert, key, name = _tls_parts(args, link)
+    return None if ca is None else UpstreamTls(ca, cert, key, name)
 
 
 def _inapplicable(args: argparse.Namespace) -> str | None:
     """Why a flag given cannot apply to the chosen mode, or None."""
+    if args.xds_tls_ca is not None and (args.mode == "original-dst" or args.static):
+        return "--xds-tls-ca applies with EDS only (override-host mode without --static)"
     if args.mode == "original-dst":
         reason = (
             "does not apply to --mode original-dst: Envoy connects to the host the router "
@@ -164,6 +215,15 @@ def run(args: argparse.Namespace) -> int:
     )
     if any(not isinstance(e, str) and e[1] > 65535 for e in endpoints):
         return usage_error("envoy-config", "--router-workers takes a --router port past 65535")
+    for link in ("router", "xds"):
+        tls_problem = _tls_problem(args, link)
+        if tls_problem is not None:
+            return usage_error("envoy-config", tls_problem)
+    if args.router_tls_ca is not None and any(isinstance(e, str) for e in endpoints):
+        return usage_error(
+            "envoy-config",
+            "--router-tls-ca needs ip:port routers: a router on a Unix socket serves no TLS",
+        )
     params = BootstrapParams(
         mode=args.mode,
         listen=args.listen,
@@ -175,6 +235,8 @@ def run(args: argparse.Namespace) -> int:
         trusted_salt_header=args.trusted_salt_header,
         max_concurrent=args.max_concurrent,
         body_mode=args.body_mode,
+        router_tls=_tls(args, "router"),
+        xds_tls=_tls(args, "xds"),
     )
     sys.stdout.write(render(params))
     return 0

@@ -10,16 +10,30 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, Field, Strict, StrictInt, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator,
+    Field,
+    Strict,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from extproc.control.rates import PRESSURE_FACTOR
 from extproc.schema import (
+    PEM_FILE,
     Address,
     DnsName,
     FrozenModel,
     LogLevel,
     Name,
     Number,
+    PemFile,
     check_at_most,
+    check_ca,
+    check_key_pair,
+    check_needs,
     described,
     finite,
     read_config_file,
@@ -73,7 +87,7 @@ class LoadFeedSettings(FrozenModel):
         "rate draws new prefixes (placement weight 4), one taking in more than "
         "pressure_factor times it repels them (1/4); null gives every host weight 1, so "
         "placement is by hash alone.",
-        1.5,
+        PRESSURE_FACTOR,
     )
 
     @field_validator("timeout_s")
@@ -122,6 +136,24 @@ class ControlPlaneConfig(FrozenModel):
         "The load feed scraped from vLLM's /metrics; see below.",
         default_factory=LoadFeedSettings,
     )
+    tls_cert_file: PemFile | None = described(
+        "TLS on listen (xDS to Envoy and to the routers): the certificate chain this "
+        "control plane presents, PEM; with tls_key_file. Its clients verify it: Envoy "
+        "with `envoy-config --xds-tls-ca`, routers with control_plane_ca_file. null: "
+        "plaintext.",
+        None,
+        allowed=PEM_FILE,
+    )
+    tls_key_file: PemFile | None = described(
+        "The private key of tls_cert_file, PEM.", None, allowed=PEM_FILE
+    )
+    tls_client_ca_file: PemFile | None = described(
+        "mTLS on listen: the CA certificates a client's certificate must chain to. Set, "
+        "a client (Envoy, a router) that presents no certificate, or one these CAs did "
+        "not sign, is refused in the TLS handshake. Needs tls_cert_file.",
+        None,
+        allowed=PEM_FILE,
+    )
     log_level: LogLevel = described(
         "The lowest level logged.",
         "info",
@@ -134,6 +166,18 @@ class ControlPlaneConfig(FrozenModel):
         if value is None:
             return () if info.field_name in ("hosts", "draining") else {}
         return value
+
+    @model_validator(mode="after")
+    def _tls_settings_agree(self) -> ControlPlaneConfig:
+        check_key_pair(self, "tls_cert_file", "tls_key_file")
+        check_needs(
+            self,
+            "tls_client_ca_file",
+            "tls_cert_file",
+            "a client certificate is asked for in a TLS handshake",
+        )
+        check_ca(self, "tls_client_ca_file")
+        return self
 
 
 def load_control_plane_config(

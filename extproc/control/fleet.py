@@ -29,6 +29,20 @@ from extproc.filewatch import FileWatcher
 log = structlog.get_logger("fleet")
 
 
+# Fields a running control plane cannot change: its addresses, its loops' timing, and
+# the TLS files it read at start.
+RESTART_FIELDS = (
+    "listen",
+    "metrics_listen",
+    "cluster",
+    "health",
+    "load_feed",
+    "tls_cert_file",
+    "tls_key_file",
+    "tls_client_ca_file",
+)
+
+
 def build_fleet(config: ControlPlaneConfig, states: Mapping[str, HostHealth]) -> FleetSnapshot:
     """The published fleet: healthy hosts, with draining flags, models and zones."""
     draining = set(config.draining)
@@ -148,9 +162,7 @@ class Fleet:
     def _reload(self, path: Path) -> bool:
         config = load_control_plane_config(path)
         restart = [
-            name
-            for name in ("listen", "metrics_listen", "cluster", "health", "load_feed")
-            if getattr(config, name) != getattr(self.config, name)
+            name for name in RESTART_FIELDS if getattr(config, name) != getattr(self.config, name)
         ]
         if restart:
             log.warning("config_reload_needs_restart", fields=restart)

@@ -49,13 +49,17 @@ class PromptRates:
 
 
 MIN_WEIGHT, MAX_WEIGHT = 0.25, 4.0
+# How far from the fleet's mean rate a host must be to draw or repel new prefixes. 1.5
+# steered more new prefixes, but the weights then changed often enough that two router
+# replicas, seeing one prefix seconds apart, placed it apart (docs/architecture.md).
+PRESSURE_FACTOR = 2.0
 # Below this mean rate (prompt tokens a second) the fleet is idle: every weight is 1, so the
 # pressure of traffic long gone does not steer the next prefixes.
 IDLE_TOKENS_PER_S = 50.0
 
 
 def placement_weights(
-    rates: Mapping[str, float], hosts: Iterable[str], factor: float = 1.5
+    rates: Mapping[str, float], hosts: Iterable[str], factor: float = PRESSURE_FACTOR
 ) -> dict[str, float]:
     """Weights for the two-choice placement of new prefixes: hosts whose rate is not
     known yet weigh 1 and do not count in the mean; empty (all equal) when no rate is.
@@ -95,7 +99,7 @@ class CachePressure:
         self,
         time_constant_s: float = 10.0,
         weights_interval_s: float = 0.5,
-        factor: float | None = 1.5,
+        factor: float | None = PRESSURE_FACTOR,
     ) -> None:
         self.rates = PromptRates(time_constant_s)
         self.weights_interval_s = weights_interval_s

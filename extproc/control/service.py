@@ -11,7 +11,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
-from extproc import keepalive
+from extproc import keepalive, tls
 from extproc.control.config import ControlPlaneConfig
 from extproc.control.fleet import Fleet
 from extproc.control.snapshot import LOAD_SUFFIX, SnapshotStore
@@ -30,14 +30,21 @@ async def serve(
     server.add_generic_rpc_handlers(xds.handlers())
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if server.add_insecure_port(config.listen) == 0:
-        raise OSError(f"cannot listen on {config.listen}")
+    credentials = tls.server_credentials(
+        config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file
+    )
+    tls.listen(server, config.listen, credentials)
     metrics_host, _, metrics_port = config.metrics_listen.rpartition(":")
     metrics_server, metrics_thread = start_http_server(int(metrics_port), addr=metrics_host)
 
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    log.info("control_plane_started", listen=config.listen, cluster=config.cluster)
+    log.info(
+        "control_plane_started",
+        listen=config.listen,
+        cluster=config.cluster,
+        tls=tls.server_mode(config.tls_cert_file, config.tls_client_ca_file),
+    )
 
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()

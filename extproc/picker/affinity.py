@@ -1,8 +1,8 @@
 """PREFIX_AWARE by longest match: the decision over a prefix-index lookup.
 
 Pure: the lookup (matched depth per host), the prompt's heat (how much of the traffic
-shares its leading blocks), the loads and the placement weights are values; nothing here
-reads a clock, draws a random number or mutates state.
+shares its leading blocks), the loads, the prefill queues and the placement weights are
+values; nothing here reads a clock, draws a random number or mutates state.
 
 The decision, for one prompt:
 
@@ -19,12 +19,16 @@ The decision, for one prompt:
    prompt with the same anchor lands there too.
 3. **Cost.** Each host below ``concurrency_threshold`` costs the share of the prompt it
    would have to prefill (on the spread, the popular prefix counts as cached: it is being
-   replicated there; not for a prompt repeated as it is, which stays where it is cached)
-   plus ``overload_cost`` for each request in flight beyond the balance
-   bound. The cheapest host wins; ties go to the anchor's order. So a host that
-   holds more of the prompt than the anchor's host wins it (a conversation that moved, a
-   document placed before the fleet changed), a lightly loaded fleet never overflows, and
-   a loaded host sheds the prompts it holds least of first: cold prefixes stay at home.
+   replicated there; not for a prompt repeated as it is, which stays where it is cached),
+   plus half the prefill already queued there (as a share of the prompt), plus
+   ``overload_cost`` for each request in flight beyond the balance bound. The cheapest
+   host wins; ties go to the anchor's order, but of hosts that hold the prompt equally
+   (and of a hot document's spread, for a request that adds less than a block to it) the
+   less loaded. So a host that holds more of the prompt than the anchor's host wins it (a
+   conversation that moved, a document placed before the fleet changed), a lightly
+   loaded fleet never overflows, a burst of new prompts spreads instead of queueing its
+   prefills on one host, and a loaded host sheds the prompts it holds least of first:
+   cold prefixes stay at home.
 """
 
 from __future__ import annotations
@@ -38,6 +42,13 @@ from extproc.picker.blocks import PrefixLookup
 from extproc.picker.decide import Decision, Outcome, Strategy
 from extproc.picker.hosts import Host, HostSet
 from extproc.picker.placement import placement_order, two_choice_order
+
+# Waiting behind prefill queued on a host costs this prompt time only; prefilling it
+# elsewhere costs the same time plus compute and a second copy in cache. So queued bytes
+# weigh half as much as the prompt's own: a prompt leaves a host holding part of it only
+# behind more than twice that part queued there, and two requests for one new prompt that
+# overlap at an idle fleet stay together (the first one's prefill is the whole queue).
+QUEUE_WEIGHT = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +119,13 @@ def decide_prefix(
     weights: Mapping[str, float],
     policy: LoadPolicy,
     failover: int,
+    queued: Mapping[str, float] | None = None,
 ) -> Decision:
-    """Pick the upstream for one prompt; never a host outside ``hosts``."""
+    """Pick the upstream for one prompt; never a host outside ``hosts``.
+
+    ``queued``: bytes of prompt each host is estimated to have yet to prefill before
+    this one (its prefill queue); they delay this prompt's first token as its own
+    uncached bytes do, so they count in its cost alike."""
     if not hosts.hosts:
         raise NoHostsError("the published host set is empty")
     order, spread = anchor_order(lookup, heat, hosts, weights)
@@ -121,28 +137,45 @@ def decide_prefix(
     bound = balance_bound(hosts, loads, policy)
     cap = policy.concurrency_threshold
     overload_cost = policy.overload_cost
+    queued = queued or {}
     # One pass in the anchor's order; strict comparisons keep the earliest of equals, but of
-    # two equals that both really hold the prompt, the less loaded: they cost the same
-    # cache, so load decides, and a prompt cached twice is shared between its holders.
+    # two equals that both hold the prompt, the less loaded: they cost the same cache, so
+    # load decides, and a prompt cached twice is shared between its holders. So does a hot
+    # document's spread for the requests that add less than a block to it (a question):
+    # there is nothing after it worth keeping in one place. Not a preamble spread over the
+    # whole fleet: what follows it (a conversation) goes by its anchor.
+    by_load_on_spread = (
+        depth > 0
+        and len(spread) < len(hosts.hosts)
+        and not heat.repeated
+        and blocks.length - depth * block_bytes < block_bytes
+    )
     chosen = least = unloaded = None
     chosen_cost = chosen_load = chosen_prefill = unloaded_prefill = least_load = math.inf
-    chosen_holds = False
+    chosen_holds = unloaded_holds = False
     for host in order:
         address = host.address
         held = held_really = matched.get(address, 0)
-        if held < depth and address in spread and not heat.repeated:
+        on_spread = address in spread
+        if held < depth and on_spread and not heat.repeated:
             held = depth
+        # Holds it: more than the popular prefix (all of it, if repeated as it is), or a
+        # hot document and little else, on its spread.
+        holds = (
+            held_really > depth
+            or (heat.repeated and held_really >= depth > 0)
+            or (by_load_on_spread and on_spread)
+        )
         prefill = (length - held * block_bytes) / length
         if prefill < unloaded_prefill:  # where it would go, were load no object
-            unloaded, unloaded_prefill = host, prefill
+            unloaded, unloaded_prefill, unloaded_holds = host, prefill, holds
         load = loads.get(address, 0)
         if load < least_load:
             least, least_load = host, load
         if load >= cap:
             continue
-        cost = prefill + max(0.0, load + 1 - bound) * overload_cost
-        # Really holds it: more than the popular prefix (all of it, if repeated as it is).
-        holds = held_really > depth or (heat.repeated and held_really >= depth > 0)
+        cost = prefill + QUEUE_WEIGHT * queued.get(address, 0.0) / length
+        cost += max(0.0, load + 1 - bound) * overload_cost
         if cost < chosen_cost or (
             cost == chosen_cost and holds and chosen_holds and load < chosen_load
         ):
@@ -152,7 +185,6 @@ def decide_prefix(
         assert least is not None
         return Decision(_targets(least, order, failover), Outcome.SATURATED, Strategy.PREFIX_AWARE)
     assert unloaded is not None
-    unloaded_holds = matched.get(unloaded.address, 0) > depth or heat.repeated
     shared = chosen_prefill == unloaded_prefill and chosen_holds and unloaded_holds
     if chosen is not unloaded and not shared:  # load moved it, not a holder's tie
         outcome = Outcome.OVERFLOW

@@ -21,6 +21,7 @@ import yaml
 
 from extproc import keepalive
 from extproc.adapter.messages import LB_METADATA_KEY, LB_METADATA_NAMESPACE, TARGET_HEADER
+from extproc.stack.upstream_tls import UpstreamTls, transport_socket
 
 Mode = Literal["override-host", "original-dst"]
 MODES: tuple[Mode, ...] = ("override-host", "original-dst")
@@ -90,6 +91,11 @@ class BootstrapParams:
     # The router's trusted_salt_header: stripped from the client's request first, with the
     # routing headers, so only a filter placed after the strip filter can set it.
     trusted_salt_header: str | None = None
+    # TLS (mTLS with a client certificate) to the routers, on the ext_proc and
+    # completion-log clusters, and to the control plane, on the xds cluster; None is
+    # plaintext. The routers' and the control plane's tls_* settings must match.
+    router_tls: UpstreamTls | None = None
+    xds_tls: UpstreamTls | None = None
 
 
 def _address(host: str, port: int) -> dict[str, Any]:
@@ -138,8 +144,17 @@ def circuit_breakers(max_concurrent: int) -> dict[str, Any]:
     }
 
 
+def _with_tls(
+    cluster: dict[str, Any], tls: UpstreamTls | None, endpoints: tuple[RouterEndpoint, ...]
+) -> dict[str, Any]:
+    if tls is None:
+        return cluster
+    ips = tuple(e[0] for e in endpoints if not isinstance(e, str))
+    return {**cluster, "transport_socket": transport_socket(tls, ips)}
+
+
 def _router_cluster(params: BootstrapParams) -> dict[str, Any]:
-    return {
+    cluster = {
         "name": ROUTER_CLUSTER,
         "type": "STATIC",
         "connect_timeout": "0.25s",
@@ -163,16 +178,19 @@ def _router_cluster(params: BootstrapParams) -> dict[str, Any]:
         ],
         "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
     }
+    # The health checks go over the cluster's transport socket, TLS included.
+    return _with_tls(cluster, params.router_tls, params.routers)
 
 
-def _xds_cluster(control_plane: tuple[str, int]) -> dict[str, Any]:
-    return {
+def _xds_cluster(control_plane: tuple[str, int], tls: UpstreamTls | None) -> dict[str, Any]:
+    cluster = {
         "name": XDS_CLUSTER,
         "type": "STATIC",
         "connect_timeout": "1s",
         "typed_extension_protocol_options": _http2_options(),
         "load_assignment": _endpoints(XDS_CLUSTER, (control_plane,)),
     }
+    return _with_tls(cluster, tls, (control_plane,))
 
 
 def _backend_discovery(params: BootstrapParams) -> dict[str, Any]:
@@ -287,17 +305,18 @@ def _ext_proc_filter(params: BootstrapParams) -> dict[str, Any]:
 
 
 def _completion_log_cluster(
-    index: int, router: RouterEndpoint, max_concurrent: int
+    index: int, router: RouterEndpoint, params: BootstrapParams
 ) -> dict[str, Any]:
     name = f"{COMPLETIONS_CLUSTER}_{index}"
-    return {
+    cluster = {
         "name": name,
         "type": "STATIC",
         "connect_timeout": "0.25s",
-        "circuit_breakers": circuit_breakers(max_concurrent),
+        "circuit_breakers": circuit_breakers(params.max_concurrent),
         "typed_extension_protocol_options": _http2_options(),
         "load_assignment": _endpoints(name, (router,)),
     }
+    return _with_tls(cluster, params.router_tls, (router,))
 
 
 def _completion_logs(params: BootstrapParams) -> list[dict[str, Any]]:
@@ -380,6 +399,9 @@ def _route_config(params: BootstrapParams) -> dict[str, Any]:
 def build_bootstrap(params: BootstrapParams) -> dict[str, Any]:
     if params.mode not in MODES:
         raise ValueError(f"mode {params.mode!r} is not one of {', '.join(MODES)}")
+    if params.router_tls is not None and any(isinstance(r, str) for r in params.routers):
+        # The router serves TLS on ip:port only; a Unix socket is guarded by its permissions.
+        raise ValueError("router_tls needs ip:port routers, not Unix sockets")
     backend = (
         _override_host_cluster(params)
         if params.mode == "override-host"
@@ -418,18 +440,17 @@ def build_bootstrap(params: BootstrapParams) -> dict[str, Any]:
     }
     clusters = [backend, _router_cluster(params)]
     if params.ext_proc and params.body_mode == "streamed":
-        clusters += [
-            _completion_log_cluster(i, r, params.max_concurrent)
-            for i, r in enumerate(params.routers)
-        ]
+        clusters += [_completion_log_cluster(i, r, params) for i, r in enumerate(params.routers)]
     bootstrap: dict[str, Any] = {
         "node": {"id": "envoy", "cluster": "prefix-router-ingress"},
         "admin": {"address": _address(*params.admin)},
     }
     uses_eds = params.mode == "override-host" and params.control_plane is not None
+    if params.xds_tls is not None and not uses_eds:
+        raise ValueError("xds_tls needs the control plane: override-host mode with EDS")
     if uses_eds:
         assert params.control_plane is not None
-        clusters.append(_xds_cluster(params.control_plane))
+        clusters.append(_xds_cluster(params.control_plane, params.xds_tls))
         bootstrap["dynamic_resources"] = {
             "ads_config": {
                 "api_type": "GRPC",

@@ -46,6 +46,11 @@ FAST_CONTROL_PLANE: dict[str, Any] = {
     "load_feed": {"interval_s": 0.1, "timeout_s": 0.08},
 }
 
+# Router settings for simulators that answer at once (``--ttft-ms 0``): they prefill
+# nothing, so the router must not model prefill queues building on them
+# (``prefill_tokens_per_s`` models an engine that prefills at a finite rate).
+INSTANT_PREFILL: dict[str, Any] = {"prefill_tokens_per_s": None}
+
 
 def _join(address: tuple[str, int]) -> str:
     return f"{address[0]}:{address[1]}"

@@ -52,8 +52,10 @@ def make_router(
         control_plane=control_plane,
         hosts=() if control_plane else HOSTS,
         load_feed_max_age_s=MAX_AGE_S,
-        # These tests pin the absolute threshold; bounded loads have their own tests.
+        # These tests pin the absolute threshold; bounded loads and prefill queues have
+        # their own tests (the fake clock stands still, so no queue would ever drain).
         balance_factor=None,
+        prefill_tokens_per_s=None,
     )
     # One fake clock for both: the feed's wall-time stamps then read as this clock.
     router = Router(config, random.Random(3), clock=clock, wall_clock=clock)

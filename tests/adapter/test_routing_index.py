@@ -19,8 +19,22 @@ HOSTS = tuple(f"127.0.0.{21 + i}:8000" for i in range(4))
 SYSTEM = "You are a careful assistant. " * 40  # ~1.1k characters shared by every chat
 
 
-def router(**settings) -> Router:
-    return Router(RouterConfig(hosts=HOSTS, **settings), random.Random(5))
+class TickingClock:
+    """Time that moves on a little at every reading, as it does between requests, so each
+    host's prefill queue drains between them."""
+
+    def __init__(self, step_s: float = 0.1) -> None:
+        self.now, self.step_s = 0.0, step_s
+
+    def __call__(self) -> float:
+        self.now += self.step_s
+        return self.now
+
+
+def router(clock=None, **settings) -> Router:
+    return Router(
+        RouterConfig(hosts=HOSTS, **settings), random.Random(5), clock=clock or TickingClock()
+    )
 
 
 def chat(messages, model: str = "m") -> bytes:
@@ -108,6 +122,36 @@ def test_requests_sharing_only_a_system_prompt_are_not_pulled_to_one_host():
                      {"role": "user", "content": f"one-off question {n}"}])  # fmt: skip
         hosts[route(r, body)] += 1
     assert len(hosts) == len(HOSTS) and min(hosts.values()) > 200 / len(HOSTS) / 2
+
+
+def document(d: int, question: str = "what is it?") -> bytes:
+    return chat([{"role": "system", "content": f"document {d}: " + "text " * 2000},
+                 {"role": "user", "content": question}])  # fmt: skip
+
+
+def test_a_burst_of_new_documents_spreads_over_hosts_with_no_prefill_queued():
+    by_anchor = router(prefill_tokens_per_s=None)
+    docs = [document(d) for d in range(60)]
+    home = route(by_anchor, docs[0])
+    same_home = [b for b in docs if route(router(prefill_tokens_per_s=None), b) == home][:6]
+    assert len(same_home) == 6
+    r = router(clock=lambda: 0.0)  # all at one instant: no queue drains
+    placed = Counter(route(r, body) for body in same_home)
+    assert placed[home] <= 2
+    assert len(placed) >= 3
+
+
+def test_once_queues_drain_new_documents_are_placed_by_their_anchor_alone():
+    burst = [document(d) for d in range(12)]
+    by_anchor = [route(router(prefill_tokens_per_s=None), b) for b in burst]
+    slow = router(clock=TickingClock(step_s=5.0))  # each prefill long done by the next
+    assert [route(slow, b) for b in burst] == by_anchor
+
+
+def test_a_request_behind_its_own_documents_prefill_stays_with_it():
+    r = router(clock=lambda: 0.0)
+    first = route(r, document(1, "first question"))
+    assert route(r, document(1, "second question")) == first
 
 
 def test_fixed_mode_hashes_the_first_prefix_length_characters_as_sagemaker_does():

@@ -16,6 +16,7 @@ class Req:
     body: dict
     group: str = "g"
     headers: dict = field(default_factory=dict)
+    think_s: float | None = None
 
 
 async def test_requests_go_out_on_schedule_and_report_ttft():
@@ -40,6 +41,32 @@ async def test_requests_go_out_on_schedule_and_report_ttft():
         # A bad request is reported, not raised.
         bad, _ = await run_open_loop(url, [Req(0.0, {"messages": 3})])
         assert bad[0].status == 400 and not bad[0].ok
+    finally:
+        server.cancel()
+        await asyncio.gather(server, return_exceptions=True)
+
+
+async def test_a_later_turn_waits_for_the_reply_to_the_turn_before_and_its_think_time():
+    host = "127.0.0.43"
+    port = free_port(host)
+    ready = asyncio.Event()
+    server = asyncio.create_task(serve([(host, port)], SimOptions(ttft_ms=20, itl_ms=30), ready))
+    try:
+        await asyncio.wait_for(ready.wait(), 10)
+        body = {"model": "sim-model", "max_tokens": 10, "stream": True,
+                "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+        url = f"http://{host}:{port}/v1/chat/completions"
+        # Turn 2 is scheduled 10 ms after turn 1, but turn 1's reply takes ~0.3 s: the
+        # client sends turn 2 0.2 s after that reply. Another conversation is not held up.
+        requests = [Req(0.0, body, "a"), Req(0.01, body, "a", think_s=0.2), Req(0.02, body, "b")]
+        started = asyncio.get_running_loop().time()
+        outcomes, wall = await run_open_loop(url, requests)
+        assert [o.status for o in outcomes] == [200, 200, 200]
+        first, second, other = outcomes
+        assert first.latency_s is not None and second.latency_s is not None
+        assert other.latency_s is not None and other.latency_s < first.latency_s + 0.1
+        assert wall >= first.latency_s + 0.2 + second.latency_s - 0.02
+        assert asyncio.get_running_loop().time() - started >= wall
     finally:
         server.cancel()
         await asyncio.gather(server, return_exceptions=True)

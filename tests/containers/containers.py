@@ -19,7 +19,7 @@ import yaml
 from testcontainers.core.container import DockerContainer
 
 from extproc.stack.bootstrap import BootstrapParams, render
-from extproc.stack.local import simulated_backends
+from extproc.stack.local import INSTANT_PREFILL, simulated_backends
 from extproc.stack.processes import free_ports, http_ok
 
 LABEL = "envoy-prefix-router.test"
@@ -170,6 +170,7 @@ class ContainerStack:
             "routing_strategy": "PREFIX_AWARE",
             "concurrency_threshold": THRESHOLD,
             "prefix_length": 4096,
+            **INSTANT_PREFILL,  # the simulators answer at once (--ttft-ms 0)
             "control_plane": join(self.control_plane),
             "listen": join(self.router_address),
             "metrics_listen": join(self.router_metrics),

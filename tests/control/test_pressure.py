@@ -15,10 +15,10 @@ def test_an_idle_host_draws_a_busy_one_repels_the_rest_are_equal():
     rates = dict(zip(HOSTS[:4], [5000.0, 1500.0, 1700.0, 200.0], strict=True))  # mean 2100
     weights = placement_weights(rates, HOSTS[:4])
     assert weights == {
-        HOSTS[0]: MIN_WEIGHT,  # over 1.5 times the mean
+        HOSTS[0]: MIN_WEIGHT,  # over twice the mean
         HOSTS[1]: 1.0,
         HOSTS[2]: 1.0,
-        HOSTS[3]: MAX_WEIGHT,  # under 1/1.5 of it
+        HOSTS[3]: MAX_WEIGHT,  # under half of it
     }
 
 
@@ -42,7 +42,7 @@ def test_weights_take_three_levels_and_fall_as_the_rate_rises(values):
 
 
 def test_weights_change_only_every_interval():
-    pressure = CachePressure(time_constant_s=2, weights_interval_s=10)
+    pressure = CachePressure(time_constant_s=2, weights_interval_s=10, factor=1.5)
 
     def loads(second: int, busy: float) -> dict[str, HostLoad]:
         return {

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from extproc.stack.local import LocalStack, StackSpec
+from extproc.stack.local import INSTANT_PREFILL, LocalStack, StackSpec
 
 # Simulators answer max_tokens=1 at once and hold max_tokens=N for about N * 20 ms,
 # which lets a test keep requests in flight on purpose.
@@ -33,7 +33,8 @@ def stack(request) -> Iterator[LocalStack]:
         mode=mode,
         body_mode=body_mode,
         sim_args=SIM_ARGS,
-        router_settings={"concurrency_threshold": THRESHOLD, "prefix_length": 4096},
+        router_settings={"concurrency_threshold": THRESHOLD, "prefix_length": 4096}
+        | INSTANT_PREFILL,  # the simulators answer at once (--ttft-ms 0)
     )
     with LocalStack(spec) as running:
         if body_mode == "streamed":

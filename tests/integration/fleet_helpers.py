@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import httpx
 
-from extproc.stack.local import FAST_CONTROL_PLANE, LocalStack, StackSpec
+from extproc.stack.local import FAST_CONTROL_PLANE, INSTANT_PREFILL, LocalStack, StackSpec
 from extproc.stack.processes import wait_until
 
 from ..prompts import document
@@ -20,7 +20,8 @@ def fleet_spec(backends: int = 3, **overrides) -> StackSpec:
         # Caches large enough that no test prefix is evicted: placements then show routing
         # alone (an evicted prefix is placed afresh, by its anchor and the cache pressure).
         "sim_args": ("--ttft-ms", "0", "--itl-ms", "20", "--capacity-blocks", "40000"),
-        "router_settings": {"concurrency_threshold": 4, "prefix_length": 4096},
+        # The simulators answer at once (--ttft-ms 0).
+        "router_settings": {"concurrency_threshold": 4, "prefix_length": 4096, **INSTANT_PREFILL},
         "control_plane_settings": FAST_CONTROL_PLANE,
         **overrides,
     }

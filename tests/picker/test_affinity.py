@@ -36,8 +36,8 @@ def lookup_of(data: bytes, matched: dict[str, int] | None = None) -> PrefixLooku
 COLD = PrefixHeat()
 
 
-def decide(lookup, hosts, loads=None, heat=COLD, weights=None, policy=POLICY):
-    return decide_prefix(lookup, heat, hosts, loads or {}, weights or {}, policy, 2)
+def decide(lookup, hosts, loads=None, heat=COLD, weights=None, policy=POLICY, queued=None):
+    return decide_prefix(lookup, heat, hosts, loads or {}, weights or {}, policy, 2, queued)
 
 
 @st.composite
@@ -95,6 +95,45 @@ def test_two_overlapping_requests_at_an_idle_fleet_share_a_host():
         assert second.outcome is Outcome.PLACED
 
 
+def test_a_request_overlapping_one_for_the_same_new_prompt_joins_it_behind_its_prefill():
+    hosts = HostSet.of(ADDRESSES[:7])
+    document = b"d" * BLOCK * 8
+    first = decide(lookup_of(document + b"first question, a long one"), hosts)
+    # The first request's whole prompt is still queued for prefill on its host.
+    queued = {first.primary: len(document) + 26}
+    second = decide(
+        lookup_of(document + b"?", {first.primary: 8}), hosts, {first.primary: 1}, queued=queued
+    )
+    assert second.primary == first.primary
+    assert second.outcome is Outcome.PLACED
+
+
+def test_a_burst_of_new_prompts_spreads_over_hosts_with_no_prefill_queued():
+    hosts = HostSet.of(ADDRESSES[:7])
+    prompts = [f"new document {n} ".encode() * 40 for n in range(200)]
+    home = decide(lookup_of(prompts[0]), hosts).primary
+    same_home = [p for p in prompts if decide(lookup_of(p), hosts).primary == home]
+    assert len(same_home) > 5
+    queued = {home: len(same_home[0])}  # one whole prompt ahead on its home
+    for prompt in same_home[1:]:
+        decision = decide(lookup_of(prompt), hosts, queued=queued)
+        assert decision.primary != home
+        assert decision.outcome is Outcome.OVERFLOW
+
+
+def test_a_prompt_leaves_its_holder_only_behind_twice_the_part_it_holds():
+    hosts = HostSet.of(ADDRESSES[:7])
+    document = b"w" * BLOCK * 10
+    home = decide(lookup_of(document), hosts).primary
+    held = lookup_of(document + b"q" * BLOCK * 2, {home: 10})  # 10 blocks held, 2 missing
+    # Waiting behind queued prefill weighs half of prefilling the held part elsewhere.
+    below, above = 2 * len(document) - BLOCK, 2 * len(document) + BLOCK
+    assert decide(held, hosts, queued={home: below}).primary == home
+    moved = decide(held, hosts, queued={home: above})
+    assert moved.primary != home
+    assert moved.outcome is Outcome.OVERFLOW
+
+
 def test_the_host_holding_the_longest_match_wins_it():
     hosts = HostSet.of(ADDRESSES[:7])
     data = b"c" * BLOCK * 10
@@ -130,6 +169,31 @@ def test_a_hot_prefix_is_spread_over_its_consistent_replicas():
         served[decide(lookup, hosts, heat=PrefixHeat(8, 3)).primary] += 1
     assert set(served) == spread
     assert min(served.values()) > 60  # about a third each
+
+
+def test_a_hot_documents_questions_go_to_the_least_loaded_of_its_spread():
+    hosts = HostSet.of(ADDRESSES[:7])
+    document = b"h" * BLOCK * 8
+    order = placement_order(prompt_blocks(document, BLOCK, 0).anchor(0), hosts)
+    spread = [h.address for h in order[:3]]
+    loads = {spread[0]: 3, spread[1]: 1, spread[2]: 2}  # all under the balance bound
+    for question in range(30):
+        lookup = lookup_of(document + f"q{question}".encode(), dict.fromkeys(spread, 8))
+        decision = decide(lookup, hosts, loads, PrefixHeat(8, 3))
+        assert decision.primary == spread[1]
+        assert decision.outcome is not Outcome.OVERFLOW
+
+
+def test_what_follows_a_preamble_spread_over_every_host_goes_by_its_anchor_not_load():
+    hosts = HostSet.of(ADDRESSES[:4])
+    preamble = b"s" * BLOCK * 2
+    everywhere = dict.fromkeys(hosts.addresses, 2)
+    for n in range(30):
+        lookup = lookup_of(preamble + f"conversation {n}".encode(), everywhere)
+        home = decide(lookup, hosts, heat=PrefixHeat(2, 4)).primary
+        light = next(a for a in sorted(hosts.addresses) if a != home)
+        loads = dict.fromkeys(hosts.addresses, 2) | {light: 0}
+        assert decide(lookup, hosts, loads, PrefixHeat(2, 4)).primary == home
 
 
 def test_a_cold_prefix_stays_home_while_a_hot_one_moves_off_a_loaded_host():

@@ -7,16 +7,22 @@ from typing import Any
 
 import httpx
 
-from extproc.stack.local import FAST_CONTROL_PLANE, LocalStack, StackSpec
+from extproc.stack.local import FAST_CONTROL_PLANE, INSTANT_PREFILL, LocalStack, StackSpec
 from extproc.stack.processes import wait_until
 
 from ..prompts import document
 from .steady import CHAT, chat
 
 # No overflow at this traffic level, and placement by hash alone (no cache-pressure
-# weights, which move new prefixes as the load shifts), so placements can be compared
-# exactly while background traffic runs.
-PINNED_ROUTING = {"concurrency_threshold": 64, "balance_factor": None, "prefix_length": 4096}
+# weights, which move new prefixes as the load shifts; simulators that answer at once, so
+# no prefill queue builds), so placements can be compared exactly while background
+# traffic runs.
+PINNED_ROUTING = {
+    "concurrency_threshold": 64,
+    "balance_factor": None,
+    "prefix_length": 4096,
+    **INSTANT_PREFILL,
+}
 PINNED_CONTROL_PLANE = {
     **FAST_CONTROL_PLANE,
     "load_feed": {**FAST_CONTROL_PLANE["load_feed"], "pressure_factor": None},

@@ -63,7 +63,52 @@ def run_saturation(args: argparse.Namespace) -> int:
     return 0
 
 
+def ascending_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if min(counts) < 1 or list(counts) != sorted(set(counts)):
+        raise argparse.ArgumentTypeError(f"expected ascending counts of at least 1, got {text!r}")
+    return counts
+
+
+def levels(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--levels",
+        type=ascending_counts,
+        help="comma-separated requests in flight at once, ascending "
+        "(default 1000,2000,3000,4000,5000,6000)",
+    )
+
+
+def run_concurrency(args: argparse.Namespace) -> int:
+    from extproc.bench import concurrency
+
+    options = concurrency.ConcurrencyOptions(out_dir=args.out, command=command_line(args))
+    if args.quick:
+        options = dataclasses.replace(options, levels=(200,), stream_s=3.0, itl_s=0.25, ramp_s=1.0)
+    if args.levels:
+        options = dataclasses.replace(options, levels=args.levels)
+    data = concurrency.run(options)
+    for level in data["levels"]:
+        print(
+            f"concurrency {level['level']}: {level['completed']} completed, "
+            f"{level['decided']:.0f} decided, held: {level['held']}"
+        )
+    return 0 if data["levels"] and data["levels"][0]["held"] else 1
+
+
 WORKLOADS = (
+    Workload(
+        "concurrency",
+        "thousands of streaming requests in flight at once through Envoy and the router: "
+        "every one decided, no breaker trips, no fail-open; the highest count that holds",
+        (levels, quick, out),
+        run_concurrency,
+    ),
     Workload(
         "soak",
         "hundreds of thousands of requests through the full stack: memory, in-flight "
