@@ -76,6 +76,7 @@ class PrefixMatch(StrEnum):
 # Optional, so its range sits inside the Annotated (JSON Schema then shows it).
 BalanceFactor = Annotated[float, Strict(), Field(ge=1.0, le=10), AfterValidator(finite)]
 PrefillRate = Annotated[float, Field(ge=100, le=100_000_000), AfterValidator(finite)]
+ShedLag = Annotated[float, Field(ge=0, le=60), AfterValidator(finite)]
 
 
 class RouterConfig(FrozenModel):
@@ -226,6 +227,17 @@ class RouterConfig(FrozenModel):
         "then the load feed's running + waiting plus this router's decisions the feed "
         "cannot show yet (each for at most load_feed_max_age_s).",
         StreamEnd.RESPONSE,
+    )
+    shed_lag_s: ShedLag | None = described(
+        "When the router's event loop runs later than this (the worst of its recent "
+        "wake-ups), it sheds: each new request is decided on its headers alone (the least "
+        "loaded host) and its stream ends there, so Envoy sends no body and waits for no "
+        "second answer, and it is counted (prefix_router_shed_total), instead of Envoy's "
+        "message_timeout (0.5 s in the generated bootstraps) failing it open unseen. "
+        "Keep it well under that timeout. 0 sheds every request (an emergency switch: "
+        "routing by load alone, no body read). Not done for a fleet whose hosts serve "
+        "different models (a LoRA adapter's requests need the body). null: never shed.",
+        0.2,
     )
     failover_hosts: StrictInt = described(
         "Extra hosts in the target list, tried in turn by Envoy's retries (override-host mode).",

@@ -76,6 +76,16 @@ SALT_REJECTED = Counter(
     "Tenant salts ignored for being empty, over 64 characters or not printable ASCII",
     ["source"],
 )
+SHED = Counter(
+    "prefix_router_shed",
+    "Requests decided on their headers alone, the least loaded host, because the router's "
+    "event loop ran further behind than shed_lag_s",
+)
+LOOP_LAG = Gauge(
+    "prefix_router_event_loop_lag_seconds",
+    "How late the router's event loop woke, the worst of its last wake-ups: every ext_proc "
+    "message waits this long and more",
+)
 FALLBACKS = Counter(
     "prefix_router_fallbacks",
     "Requests the router could not place and left to Envoy's fallback, by reason",

@@ -11,10 +11,13 @@ two ways, and the stream's first message says which (``protocol_config``):
   it: one round trip, and the stream is over. Envoy would close it after the last body response
   anyway, so the router closes it at once and Envoy forwards the body it holds.
 
-A request with no body (headers with end_of_stream) is decided on the headers. A stream
-that is over at its decision (STREAMED, or ``end_at_decision``) hands the decision to the
-load feed instead of counting it until the response ends. A message that arrives out of
-order is a counted protocol error, never a crash.
+A request with no body (headers with end_of_stream) is decided on the headers, and so is
+every request of a stream opened while the router was shedding (its event loop running too
+far behind, ``adapter/lag.py``): the least loaded host, and the stream ends there, so
+Envoy sends no body and waits for nothing more. A stream that is over at its decision
+(STREAMED, ``end_at_decision``, or shed) hands the decision to the load feed instead of
+counting it until the response ends. A message that arrives out of order is a counted
+protocol error, never a crash.
 """
 
 from __future__ import annotations
@@ -60,9 +63,12 @@ class Phase(Enum):
 
 
 class RequestStream:
-    def __init__(self, router: Router, end_at_decision: bool = False) -> None:
+    def __init__(self, router: Router, end_at_decision: bool = False, shed: bool = False) -> None:
         self._router = router
         self._end_at_decision = end_at_decision
+        # The router runs too far behind: decide on the headers and end the stream, so
+        # Envoy sends no body and waits for no second answer.
+        self._shed = shed
         self.phase = Phase.AWAITING_HEADERS
         self._headers: dict[str, str] = {}
         self._body = bytearray()
@@ -97,6 +103,10 @@ class RequestStream:
         self._headers = messages.headers_of(request.request_headers)
         if request.request_headers.end_of_stream:
             return (self._decide(b"", messages.route_on_headers),)
+        if self._shed:
+            shed = self._decide_shed()
+            if shed is not None:
+                return (shed,)
         config = request.protocol_config
         if (
             config.request_body_mode == _STREAMED
@@ -135,16 +145,29 @@ class RequestStream:
         respond: Callable[[Decision, str | None], messages.ProcessingResponse],
     ) -> messages.ProcessingResponse:
         self.phase = Phase.DECIDED
-        try:
-            decision = self._router.route(self._headers, body)
-        except NoHostsError:
-            metrics.FALLBACKS.labels("no_hosts").inc()
-            log.warning("no_hosts")
-            raise StreamAborted("prefix_router_no_hosts") from None
+        decision = self._routed(lambda: self._router.route(self._headers, body))
+        assert decision is not None
         self.decision = decision
         if self._ends_at_decision:
             return respond(decision, self._router.hand_off(decision))
         return respond(decision, None)
+
+    def _decide_shed(self) -> messages.ProcessingResponse | None:
+        decision = self._routed(self._router.route_shed)
+        if decision is None:
+            return None
+        self.phase = Phase.DECIDED
+        self.decision = decision
+        self._end_at_decision = True  # Envoy goes on without the router: no body comes
+        return messages.route_on_headers(decision, self._router.hand_off(decision))
+
+    def _routed(self, route: Callable[[], Decision | None]) -> Decision | None:
+        try:
+            return route()
+        except NoHostsError:
+            metrics.FALLBACKS.labels("no_hosts").inc()
+            log.warning("no_hosts")
+            raise StreamAborted("prefix_router_no_hosts") from None
 
     def _protocol_error(self, kind: str) -> None:
         metrics.PROTOCOL_ERRORS.labels(kind).inc()

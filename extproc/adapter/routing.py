@@ -208,6 +208,31 @@ class Router:
         metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
         return decision
 
+    def route_shed(self) -> Decision | None:
+        """A decision on the headers alone, for a router too far behind to read the body in
+        time: the least loaded host, counted in flight like any other. None when the hosts
+        differ in what they serve (a LoRA adapter's requests need the body's model).
+
+        Raises NoHostsError when the host set is empty."""
+        hosts = self.hosts
+        if len({host.models for host in hosts.hosts}) > 1:
+            return None
+        config = self.config
+        least = decide(
+            0,
+            hosts,
+            self._loads(Strategy.LEAST_OUTSTANDING_REQUESTS),
+            Strategy.LEAST_OUTSTANDING_REQUESTS,
+            config.concurrency_threshold,
+            config.failover_hosts,
+            self._rng.random(),
+        )
+        decision = Decision(least.targets, Outcome.SHED, least.strategy)
+        self.in_flight.acquire(decision.primary)
+        metrics.DECISIONS.labels(decision.strategy.value, decision.outcome.value).inc()
+        metrics.SHED.inc()
+        return decision
+
     def _decide_longest(self, key: RoutingKey) -> Decision:
         """PREFIX_AWARE over the prefix index: look up, decide (pure), then record."""
         config = self.config

@@ -22,6 +22,7 @@ from extproc import keepalive, metrics, tls
 from extproc.adapter import messages
 from extproc.adapter.access_log import AccessLogSink
 from extproc.adapter.fleet_client import FleetClient, FleetTls
+from extproc.adapter.lag import LoopLag
 from extproc.adapter.phases import RequestStream
 from extproc.adapter.routing import Router
 from extproc.config import EventLoop, RouterConfig, StreamEnd, load_config
@@ -40,8 +41,14 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class ExternalProcessor:
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, lag: LoopLag | None = None) -> None:
         self.router = router
+        # How far behind the event loop runs; None: never shed.
+        self.lag = lag
+
+    def shedding(self) -> bool:
+        threshold = self.router.config.shed_lag_s
+        return self.lag is not None and threshold is not None and self.lag.seconds >= threshold
 
     async def process(
         self,
@@ -49,7 +56,7 @@ class ExternalProcessor:
         context: grpc.aio.ServicerContext[messages.ProcessingRequest, messages.ProcessingResponse],
     ) -> AsyncIterator[messages.ProcessingResponse]:
         end_at_decision = self.router.config.stream_end is StreamEnd.DECISION
-        stream = RequestStream(self.router, end_at_decision)
+        stream = RequestStream(self.router, end_at_decision, shed=self.shedding())
         metrics.STREAMS.inc()
         try:
             async for request in requests:
@@ -275,8 +282,10 @@ async def serve(
     router = Router(config)
     server = grpc.aio.server(options=server_options())
     stop = stop or asyncio.Event()
+    lag = LoopLag()
+    metrics.LOOP_LAG.set_function(lambda: lag.seconds)
     server.add_generic_rpc_handlers(
-        (ExternalProcessor(router).handler(), AccessLogSink(router, stop).handler())
+        (ExternalProcessor(router, lag).handler(), AccessLogSink(router, stop).handler())
     )
     health_servicer = HealthService()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -289,7 +298,7 @@ async def serve(
     tls.listen(server, config.listen, credentials)
     metrics_host, _, metrics_port = config.metrics_listen.rpartition(":")
     metrics_server, metrics_thread = start_http_server(int(metrics_port), addr=metrics_host)
-    background: list[asyncio.Task[None]] = []
+    background: list[asyncio.Task[None]] = [asyncio.create_task(lag.run(stop))]
     if config.control_plane is not None:
         client = FleetClient(router, config.control_plane, config.cluster, fleet_tls(config))
         background.append(asyncio.create_task(client.run(stop)))

@@ -36,6 +36,9 @@ class Outcome(StrEnum):
     MATCHED = "matched"
     RANDOM = "random"
     LEAST_LOADED = "least_loaded"
+    # Decided on the headers alone, the least loaded host, because the router was running
+    # too far behind to read the body in time (see adapter/lag.py).
+    SHED = "shed"
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import REGISTRY
 
 from extproc.adapter.completions import TICKET_KEY
 from extproc.adapter.messages import (
@@ -21,6 +22,8 @@ from extproc.adapter.phases import BODY_LIMIT_BYTES, HOLD_TIMEOUT_S, Phase, Requ
 from extproc.adapter.routing import Router
 from extproc.config import RouterConfig
 from extproc.errors import StreamAborted
+from extproc.picker.decide import Outcome
+from extproc.picker.hosts import Host, HostSet
 
 from ..extproc_messages import request_body, request_headers
 
@@ -161,11 +164,13 @@ kinds = st.sampled_from(
 )
 
 
-@given(st.lists(st.tuples(kinds, st.binary(max_size=300), st.booleans()), max_size=8))
+@given(
+    st.lists(st.tuples(kinds, st.binary(max_size=300), st.booleans()), max_size=8), st.booleans()
+)
 @settings(max_examples=300)
-def test_any_message_sequence_gets_answers_and_never_leaks_in_flight(sequence):
+def test_any_message_sequence_gets_answers_and_never_leaks_in_flight(sequence, shed):
     router = make_router(concurrency_threshold=1)
-    stream = RequestStream(router)
+    stream = RequestStream(router, shed=shed)
     for kind, payload, flag in sequence:
         if kind == "request_headers":
             request = request_headers({"x-prefix-aware-id": payload.decode("latin-1")}, flag)
@@ -312,3 +317,56 @@ def test_a_streamed_decision_carries_a_ticket_while_the_access_log_is_connected(
     assert router.in_flight.snapshot() == {primary: 1}
     assert router.complete(ticket)
     assert router.in_flight.total() == 0
+
+
+def shed_count() -> float:
+    return REGISTRY.get_sample_value("prefix_router_shed_total") or 0.0
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_shed_stream_is_decided_on_its_headers_by_load_and_ends_there(streamed):
+    router = make_router()
+    router.in_flight.acquire(HOSTS[0])  # the two others are idle
+    router.in_flight.acquire(HOSTS[1])
+    before = shed_count()
+    stream = RequestStream(router, shed=True)
+    (answer,) = stream.on_message(
+        request_headers({"content-type": "application/json"}, streamed=streamed)
+    )
+    primary = target_header(answer, "request_headers")
+    assert primary == HOSTS[2]
+    assert metadata_targets(answer)[0] == primary
+    assert stream.ended and stream.phase is Phase.DECIDED
+    assert stream.decision is not None and stream.decision.outcome is Outcome.SHED
+    assert shed_count() == before + 1
+    # A body Envoy had already sent is passed through, not decided again.
+    assert kinds_of(stream.on_message(request_body(chat_body("late")))) == ["request_body"]
+    stream.close()
+    # Handed to the load feed at once, like any stream that ends with its decision.
+    assert router.in_flight.snapshot() == {HOSTS[0]: 1, HOSTS[1]: 1}
+    assert dict(router.unseen.counts(router._clock())) == {primary: 1}
+
+
+def test_a_fleet_whose_hosts_serve_different_models_is_not_shed():
+    router = make_router()
+    router.set_hosts(
+        HostSet.of_hosts(
+            [
+                Host.of(HOSTS[0], frozenset({"base", "adapter"})),
+                Host.of(HOSTS[1], frozenset({"base"})),
+            ]
+        )
+    )
+    stream = RequestStream(router, shed=True)
+    assert kinds_of(stream.on_message(request_headers({}))) == ["request_headers"]
+    assert stream.phase is Phase.AWAITING_BODY  # the body's model decides, as always
+    stream.on_message(request_body(chat_body("hello")))
+    assert stream.decision is not None and stream.decision.outcome is not Outcome.SHED
+
+
+def test_shedding_with_no_hosts_aborts_the_stream():
+    router = make_router(hosts=(), control_plane="127.0.0.1:18000")
+    router.set_hosts(HostSet(()))
+    stream = RequestStream(router, shed=True)
+    with pytest.raises(StreamAborted):
+        stream.on_message(request_headers({}))

@@ -23,6 +23,7 @@ OTHERS = (
     "sim-vs-vllm",
     "soak",
     "saturation",
+    "concurrency",
 )
 FLEET_FLAGS = [
     "--rate",
@@ -200,3 +201,12 @@ def test_render_refuses_a_file_that_is_not_a_stored_run(tmp_path, capsys):
     other.write_text("{}")
     assert main(["bench", "render", str(other)]) == EXIT_USAGE
     assert "not a stored run" in capsys.readouterr().err
+
+
+def test_concurrency_levels_must_be_ascending_counts(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["bench", "concurrency", "--levels", "3000,1000"])
+    assert exit_.value.code == 2
+    assert "--levels: expected ascending counts" in capsys.readouterr().err
+    args = parse_args(["bench", "concurrency", "--levels", "1000,3000"])
+    assert args.levels == (1000, 3000)

@@ -1,0 +1,36 @@
+"""The event loop's lag: how late it wakes, the worst of a window."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from extproc.adapter.lag import LoopLag
+
+
+def test_the_lag_is_the_worst_of_the_recent_wake_ups():
+    lag = LoopLag(window=3)
+    assert lag.seconds == 0.0
+    for late in (0.01, 0.3, 0.02):
+        lag.woke(late)
+    assert lag.seconds == 0.3
+    lag.woke(0.0)
+    assert lag.seconds == 0.3
+    lag.woke(0.0)  # three wake-ups later the 0.3 s one has left the window
+    assert lag.seconds == 0.02
+    lag.woke(-0.001)  # early (clock granularity) counts as on time, not as negative lag
+    assert lag.seconds == 0.0
+
+
+async def test_a_blocked_loop_shows_as_lag_and_an_idle_one_does_not():
+    lag = LoopLag(interval_s=0.01, window=5)
+    stop = asyncio.Event()
+    task = asyncio.create_task(lag.run(stop))
+    await asyncio.sleep(0.1)
+    time.sleep(0.25)  # a handler that holds the loop
+    await asyncio.sleep(0.03)
+    assert lag.seconds >= 0.2
+    await asyncio.sleep(0.2)  # five prompt wake-ups later the block has left the window
+    assert lag.seconds < 0.1
+    stop.set()
+    await asyncio.wait_for(task, 1)
