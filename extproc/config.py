@@ -239,6 +239,16 @@ class RouterConfig(FrozenModel):
         "different models (a LoRA adapter's requests need the body). null: never shed.",
         0.2,
     )
+    max_body_bytes: StrictInt = described(
+        "The largest request body routed. A larger one is refused at once with 413: at "
+        "its headers when its content-length says so, else as soon as more than this has "
+        "arrived; counted in prefix_router_refused_total. Keep Envoy's buffer limit "
+        "(`envoy-config --buffer-limit-bytes`, 40 MiB by default) above it: a body that "
+        "overflows that limit can hang in Envoy 1.40 (docs/architecture.md).",
+        32 * 1024 * 1024,
+        ge=1024 * 1024,
+        le=1024 * 1024 * 1024,
+    )
     failover_hosts: StrictInt = described(
         "Extra hosts in the target list, tried in turn by Envoy's retries (override-host mode).",
         2,

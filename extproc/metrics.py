@@ -86,6 +86,12 @@ LOOP_LAG = Gauge(
     "How late the router's event loop woke, the worst of its last wake-ups: every ext_proc "
     "message waits this long and more",
 )
+REFUSED = Counter(
+    "prefix_router_refused",
+    "Requests the router answered itself instead of routing, by reason (body_too_large: "
+    "413, the body is over max_body_bytes)",
+    ["reason"],
+)
 FALLBACKS = Counter(
     "prefix_router_fallbacks",
     "Requests the router could not place and left to Envoy's fallback, by reason",

@@ -8,6 +8,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingRequest,
     ProcessingResponse,
 )
+from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from extproc.adapter.completions import TICKET_KEY
@@ -85,4 +86,23 @@ def continue_for(kind: str) -> ProcessingResponse:
     """The do-nothing answer to a message of ``kind`` (a ProcessingRequest oneof name)."""
     response = ProcessingResponse()
     getattr(response, kind).SetInParent()
+    return response
+
+
+def refuse_too_large(limit: int) -> ProcessingResponse:
+    """Envoy answers the client 413 at once, with an OpenAI-shaped error, and sends
+    nothing upstream."""
+    response = ProcessingResponse()
+    immediate = response.immediate_response
+    immediate.status.code = http_status_pb2.PayloadTooLarge
+    immediate.details = "prefix_router_body_too_large"
+    immediate.body = (
+        b'{"error":{"message":"request body exceeds '
+        + str(limit).encode()
+        + b' bytes","type":"invalid_request_error","code":413}}'
+    )
+    header = immediate.headers.set_headers.add()
+    header.header.key = "content-type"
+    header.header.raw_value = b"application/json"
+    header.append_action = _OVERWRITE
     return response

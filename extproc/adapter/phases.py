@@ -14,10 +14,11 @@ two ways, and the stream's first message says which (``protocol_config``):
 A request with no body (headers with end_of_stream) is decided on the headers, and so is
 every request of a stream opened while the router was shedding (its event loop running too
 far behind, ``adapter/lag.py``): the least loaded host, and the stream ends there, so
-Envoy sends no body and waits for nothing more. A stream that is over at its decision
-(STREAMED, ``end_at_decision``, or shed) hands the decision to the load feed instead of
-counting it until the response ends. A message that arrives out of order is a counted
-protocol error, never a crash.
+Envoy sends no body and waits for nothing more. A body over ``max_body_bytes`` (by its
+content-length, or by what has arrived) is refused at once: Envoy answers 413. A stream
+that is over at its decision (STREAMED, ``end_at_decision``, or shed) hands the decision
+to the load feed instead of counting it until the response ends. A message that arrives
+out of order is a counted protocol error, never a crash.
 """
 
 from __future__ import annotations
@@ -49,6 +50,14 @@ Responses = tuple[messages.ProcessingResponse, ...]
 _NONE: Responses = ()
 
 
+def _declared_length(headers: dict[str, str]) -> int:
+    """The body's content-length, or 0 when absent or not a number (chunked uploads)."""
+    value = headers.get("content-length", "")
+    if not (value.isascii() and value.isdigit()):
+        return 0
+    return int(value) if len(value) <= 18 else 10**18  # no int() of a 5,000-digit string
+
+
 class Phase(Enum):
     # Nothing seen yet: the next message should be the request headers.
     AWAITING_HEADERS = "awaiting_headers"
@@ -72,7 +81,9 @@ class RequestStream:
         self.phase = Phase.AWAITING_HEADERS
         self._headers: dict[str, str] = {}
         self._body = bytearray()
+        self._body_bytes = 0  # of a STREAMED body so far
         self._streamed = False
+        self._max_body = router.config.max_body_bytes
         self.decision: Decision | None = None
 
     @property
@@ -101,6 +112,8 @@ class RequestStream:
             self._protocol_error("duplicate_request_headers")
             return (messages.continue_for("request_headers"),)
         self._headers = messages.headers_of(request.request_headers)
+        if _declared_length(self._headers) > self._max_body:
+            return (self._refuse_too_large(),)
         if request.request_headers.end_of_stream:
             return (self._decide(b"", messages.route_on_headers),)
         if self._shed:
@@ -121,6 +134,9 @@ class RequestStream:
     def _on_request_body(self, request: messages.ProcessingRequest) -> Responses:
         body = request.request_body
         if self.phase is Phase.HOLDING_HEADERS:
+            self._body_bytes += len(body.body)
+            if self._body_bytes > self._max_body:
+                return (self._refuse_too_large(),)
             room = BODY_LIMIT_BYTES - len(self._body)
             if room > 0:
                 self._body += body.body[:room]
@@ -137,6 +153,8 @@ class RequestStream:
         elif self.phase is not Phase.AWAITING_BODY:
             self._protocol_error("body_after_decision")
             return (messages.continue_for("request_body"),)
+        if len(body.body) > self._max_body:
+            return (self._refuse_too_large(),)
         return (self._decide(body.body, messages.route_on_body),)
 
     def _decide(
@@ -160,6 +178,13 @@ class RequestStream:
         self.decision = decision
         self._end_at_decision = True  # Envoy goes on without the router: no body comes
         return messages.route_on_headers(decision, self._router.hand_off(decision))
+
+    def _refuse_too_large(self) -> messages.ProcessingResponse:
+        """Over max_body_bytes: Envoy answers 413 and the stream is over, nothing routed."""
+        metrics.REFUSED.labels("body_too_large").inc()
+        self.phase = Phase.DECIDED
+        self._end_at_decision = True
+        return messages.refuse_too_large(self._max_body)
 
     def _routed(self, route: Callable[[], Decision | None]) -> Decision | None:
         try:

@@ -37,14 +37,28 @@ SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 # How long SIGTERM keeps accepting new streams while waiting for a health check to report
 # NOT_SERVING (Envoy checks every second), so no stream is refused before Envoy moves on.
 DRAIN_NOTICE_SECONDS = 3.0
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_MESSAGE_BYTES = 96 * 1024 * 1024
+
+
+# How long a handler whose client half-closed waits for the reset that Envoy sends right
+# after (closeStream() then resetStream()), so that the reset ends it by cancellation. A
+# handler that returned at once would have gRPC send its status on a call the reset then
+# cancels, and grpc.aio never frees a failed batch's buffers (grpc/grpc#43360). A client
+# that half-closes and reads the status gets it this much later; its slot is already free.
+RESET_WAIT_S = 1.0
+
+# What ``context.read()`` answers once the client has half-closed.
+_EOF: Any = grpc.aio.EOF
 
 
 class ExternalProcessor:
-    def __init__(self, router: Router, lag: LoopLag | None = None) -> None:
+    def __init__(
+        self, router: Router, lag: LoopLag | None = None, reset_wait_s: float = RESET_WAIT_S
+    ) -> None:
         self.router = router
         # How far behind the event loop runs; None: never shed.
         self.lag = lag
+        self.reset_wait_s = reset_wait_s
 
     def shedding(self) -> bool:
         threshold = self.router.config.shed_lag_s
@@ -55,11 +69,20 @@ class ExternalProcessor:
         requests: AsyncIterator[messages.ProcessingRequest],
         context: grpc.aio.ServicerContext[messages.ProcessingRequest, messages.ProcessingResponse],
     ) -> AsyncIterator[messages.ProcessingResponse]:
+        """One ext_proc stream. Messages are read through ``context.read()`` rather than
+        ``requests`` (gRPC's iterator over the same reads) so that each read is shielded: a
+        reset that cancels the handler mid-read must not cancel the read's gRPC batch,
+        whose buffers grpc.aio would then never free (grpc/grpc#43360)."""
         end_at_decision = self.router.config.stream_end is StreamEnd.DECISION
         stream = RequestStream(self.router, end_at_decision, shed=self.shedding())
         metrics.STREAMS.inc()
         try:
-            async for request in requests:
+            while True:
+                request = await asyncio.shield(context.read())
+                if request is _EOF:
+                    stream.close()  # the request is over: free its slot before the wait
+                    await asyncio.sleep(self.reset_wait_s)
+                    break
                 try:
                     responses = stream.on_message(request)
                 except StreamAborted as aborted:
@@ -262,7 +285,7 @@ def fleet_tls(config: RouterConfig) -> FleetTls | None:
 def server_options() -> list[tuple[str, int]]:
     """The ext_proc server's gRPC options (the overhead bench's noop processor uses them too)."""
     return [
-        # Envoy sends up to its buffer limit (8 MiB by default) of body in one message;
+        # Envoy sends its buffer limit (40 MiB by default) of body in one message, and more;
         # gRPC's default 4 MiB cap would fail those streams.
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

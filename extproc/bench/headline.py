@@ -278,6 +278,57 @@ def _overhead_row(runs: Runs) -> Row | None:
     )
 
 
+def _soak_row(runs: Runs) -> Row | None:
+    run = runs.get("reliability-soak")
+    if run is None or "router" not in run.get("growth", {}):
+        return None
+    growth, bound = run["growth"]["router"], run["options"]["max_rss_growth"]
+    return Row(
+        f"soak: router RSS growth after warm-up, {run['requests']:,} requests",
+        f"≤ {bound:.0%} over ≥ 1,000,000",
+        f"{growth:+.1%}",
+        "",
+        growth <= bound and run["requests"] >= 1_000_000,
+        ("reliability",),
+    )
+
+
+def _concurrency_row(runs: Runs) -> Row | None:
+    run = runs.get("concurrency")
+    if run is None:
+        return None
+    from extproc.bench.concurrency import highest_held
+
+    best = highest_held(run)
+    return Row(
+        "streaming requests in flight at once, every one decided, nothing tripped",
+        "≥ 3,000",
+        f"{best:,} held" if best is not None else "none held",
+        "",
+        best is not None and best >= 3000,
+        ("concurrency",),
+    )
+
+
+def _bodies_row(runs: Runs) -> Row | None:
+    run = runs.get("bodies")
+    if run is None:
+        return None
+    from extproc.bench.bodies import holds
+
+    total = sum(len(cell["results"]) for cell in run["cells"])
+    hung = sum(r["outcome"] == "hung" for cell in run["cells"] for r in cell["results"])
+    sizes = [cell["size"] for cell in run["cells"]]
+    return Row(
+        f"request bodies 0 B to {max(sizes) / 2**20:.0f} MiB, every mode and upload",
+        "whole, or 413 at once; none hangs",
+        f"{total:,} requests, {hung} hung, " + ("all as they should" if holds(run) else "not all"),
+        "",
+        holds(run),
+        ("bodies",),
+    )
+
+
 def rows(runs: Runs) -> list[Row]:
     found: list[Row | None] = []
     found += _fleet_rows(runs, "long-context", "long-context, default rate:")
@@ -314,6 +365,9 @@ def rows(runs: Runs) -> list[Row]:
     found.append(_sim_vs_vllm_row(runs))
     found.append(_fleet_events_row(runs))
     found.append(_overhead_row(runs))
+    found.append(_soak_row(runs))
+    found.append(_concurrency_row(runs))
+    found.append(_bodies_row(runs))
     result = [row for row in found if row is not None]
     # "reported" rows have no target to meet.
     return [replace(r, met=None) if r.target == "reported" else r for r in result]

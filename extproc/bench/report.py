@@ -55,6 +55,7 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> s
 # Each stored run names the generator that renders it; a generator module has
 # ``render(data) -> str`` and, if it draws plots, ``render_plots(data, out_dir, name)``.
 RENDERERS = {
+    "bodies": "extproc.bench.bodies",
     "concurrency": "extproc.bench.concurrency",
     "fleet": "extproc.bench.fleet_render",
     "fleet-events": "extproc.bench.fleet_events",

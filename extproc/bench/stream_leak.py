@@ -44,7 +44,7 @@ def _requests(n: int) -> list[messages.ProcessingRequest]:
     return [headers, chunk]
 
 
-async def _drive(port: int, first: int, count: int, ending: Ending, workers: int = 8) -> None:
+async def _drive(port: int, first: int, count: int, ending: Ending, workers: int = 64) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         method = channel.stream_stream(
             METHOD,

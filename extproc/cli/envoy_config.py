@@ -83,6 +83,15 @@ def register(commands: Commands) -> None:
         f"{BootstrapParams.max_concurrent}; Envoy's own is 1024)",
     )
     parser.add_argument(
+        "--buffer-limit-bytes",
+        type=int,
+        default=BootstrapParams.buffer_limit_bytes,
+        metavar="N",
+        help="the listener's per_connection_buffer_limit_bytes: keep it above the router's "
+        "max_body_bytes, since Envoy 1.40 can hang a body that overflows it (default "
+        f"{BootstrapParams.buffer_limit_bytes}, 40 MiB)",
+    )
+    parser.add_argument(
         "--trusted-salt-header",
         metavar="NAME",
         type=_header_name,
@@ -209,6 +218,11 @@ def run(args: argparse.Namespace) -> int:
         return usage_error(
             "envoy-config", f"--max-concurrent must be 1-1000000, got {args.max_concurrent}"
         )
+    if not 1024 * 1024 <= args.buffer_limit_bytes <= 2**31:
+        return usage_error(
+            "envoy-config",
+            f"--buffer-limit-bytes must be 1048576-{2**31}, got {args.buffer_limit_bytes}",
+        )
     routers = tuple(args.router) or BootstrapParams.routers
     endpoints = tuple(
         _worker_endpoint(router, i) for router in routers for i in range(args.router_workers)
@@ -234,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
         upstream_host_header=args.upstream_host_header,
         trusted_salt_header=args.trusted_salt_header,
         max_concurrent=args.max_concurrent,
+        buffer_limit_bytes=args.buffer_limit_bytes,
         body_mode=args.body_mode,
         router_tls=_tls(args, "router"),
         xds_tls=_tls(args, "xds"),

@@ -41,8 +41,9 @@ from extproc.sim.responses import (
     usage_chunk,
 )
 
-# Bodies of several MB must pass; aiohttp's default limit is 1 MiB.
-MAX_BODY_BYTES = 64 * 1024 * 1024
+# vLLM's server sets no body limit; aiohttp's default is 1 MiB. Far above the router's
+# max_body_bytes (32 MiB), so that any 413 a client sees through the router is the router's.
+MAX_BODY_BYTES = 256 * 1024 * 1024
 # How long in-flight requests may run on once an instance is told to stop.
 _SHUTDOWN_GRACE_S = 1.0
 

@@ -61,9 +61,12 @@ class BootstrapParams:
     )
     # BUFFERED_PARTIAL sends the body to the router once this many bytes have arrived, or
     # at end of stream. Envoy 1.40 intermittently loses the end of a request whose body
-    # overflows this limit while the router is deciding (the upstream then waits for the
-    # rest forever), so it is set well above any realistic LLM request body.
-    buffer_limit_bytes: int = 8 * 1024 * 1024
+    # overflows this limit (the upstream then waits for the rest forever), in either body
+    # mode, so it sits above the router's max_body_bytes (32 MiB): every body up to that
+    # arrives whole, and the router refuses a larger one with 413. Not far above: what
+    # Envoy buffers it sends the router in one message, within message_timeout (0.5 s),
+    # and an 80 MiB message took 0.4 to 0.5 s on 2 cores (some timed out and failed open).
+    buffer_limit_bytes: int = 40 * 1024 * 1024
     body_mode: BodyMode = "buffered-partial"
     message_timeout_ms: int = 500
     # x-upstream-host on every response names the backend that served it: for demos and

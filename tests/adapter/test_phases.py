@@ -370,3 +370,71 @@ def test_shedding_with_no_hosts_aborts_the_stream():
     stream = RequestStream(router, shed=True)
     with pytest.raises(StreamAborted):
         stream.on_message(request_headers({}))
+
+
+# ---------------------------------------------------------------- bodies over max_body_bytes
+
+MAX_BODY = 1024 * 1024
+
+
+def refused() -> float:
+    return (
+        REGISTRY.get_sample_value("prefix_router_refused_total", {"reason": "body_too_large"})
+        or 0.0
+    )
+
+
+def assert_refused_413(response: ProcessingResponse, stream: RequestStream) -> None:
+    assert response.immediate_response.status.code == 413
+    assert json.loads(response.immediate_response.body)["error"]["code"] == 413
+    assert stream.ended and stream.decision is None
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_declared_length_over_the_limit_is_refused_at_the_headers(streamed):
+    router = make_router(max_body_bytes=MAX_BODY)
+    stream = RequestStream(router)
+    before = refused()
+    headers = {":method": "POST", "content-length": str(MAX_BODY + 1)}
+    (response,) = stream.on_message(request_headers(headers, streamed=streamed))
+    assert_refused_413(response, stream)
+    assert refused() == before + 1
+    stream.close()
+    assert router.in_flight.total() == 0
+
+
+@pytest.mark.parametrize("length", ["", "abc", "-5", "\u00b2", "9" * 5000])
+def test_a_missing_or_odd_content_length_is_not_a_refusal_by_itself(length):
+    stream = RequestStream(make_router(max_body_bytes=MAX_BODY))
+    responses = stream.on_message(request_headers({"content-length": length}))
+    if length == "9" * 5000:  # digits, and far over: refused without converting them all
+        assert_refused_413(responses[0], stream)
+    else:
+        assert not stream.ended and stream.phase is Phase.AWAITING_BODY
+
+
+def test_a_partial_body_over_the_limit_is_refused():
+    """BUFFERED_PARTIAL: Envoy sends what it buffered; more than the limit is refused."""
+    stream = RequestStream(make_router(max_body_bytes=MAX_BODY))
+    stream.on_message(request_headers({":method": "POST"}))
+    (response,) = stream.on_message(request_body(b"a" * (MAX_BODY + 1), end_of_stream=False))
+    assert_refused_413(response, stream)
+
+
+def test_a_body_at_the_limit_is_routed():
+    stream = RequestStream(make_router(max_body_bytes=MAX_BODY))
+    stream.on_message(request_headers({":method": "POST", "content-length": str(MAX_BODY)}))
+    (response,) = stream.on_message(request_body(b"a" * MAX_BODY))
+    assert response.request_body.response.header_mutation.set_headers
+    assert stream.decision is not None
+
+
+def test_a_streamed_body_is_refused_once_more_than_the_limit_has_arrived():
+    stream = RequestStream(make_router(max_body_bytes=MAX_BODY))
+    stream.on_message(request_headers({":method": "POST"}, streamed=True))
+    chunk = b"a" * (MAX_BODY // 4)
+    for _ in range(4):  # exactly the limit so far: still reading
+        (response,) = stream.on_message(request_body(chunk, end_of_stream=False))
+        assert response.HasField("override_message_timeout")
+    (response,) = stream.on_message(request_body(b"a", end_of_stream=False))
+    assert_refused_413(response, stream)

@@ -99,3 +99,32 @@ def test_headline_hit_rate_rows_carry_the_runs_computed_ceilings():
     # A run that names no workload has no ceiling to show.
     (row, *_) = headline.rows({"long-context": _fleet_run({"PREFIX_AWARE": 0.8})})
     assert row.ceiling == ""
+
+
+@pytest.mark.parametrize(
+    ("growth", "requests", "met"),
+    [(0.017, 1_001_239, True), (0.12, 1_001_239, False), (0.017, 200_000, False)],
+)
+def test_headline_soak_row_needs_a_million_requests_within_the_bound(growth, requests, met):
+    run = {"growth": {"router": growth}, "requests": requests, "options": {"max_rss_growth": 0.1}}
+    (row,) = headline.rows({"reliability-soak": run})
+    assert (row.ours, row.met) == (f"{growth:+.1%}", met)
+
+
+def test_headline_production_rows_read_the_concurrency_and_bodies_runs():
+    held = {"level": 3000, "held": True}
+    run = {"levels": [{"level": 1000, "held": True}, held, {"level": 4000, "held": False}]}
+    (row,) = headline.rows({"concurrency": run})
+    assert (row.ours, row.met) == ("3,000 held", True)
+    (row,) = headline.rows({"concurrency": {"levels": [{"level": 1000, "held": True}]}})
+    assert row.met is False
+    options = {"refuse_bound_s": 2.0, "drip_pieces": 16, "drip_pause_s": 0.02}
+    delivered = {"outcome": "delivered", "s": 0.1}
+    hung = {"outcome": "hung", "s": 30}
+    cells = [
+        {"size": 10, "upload": "fixed", "results": [delivered]},
+        {"size": 2**26 + 1, "upload": "fixed", "results": [hung]},
+    ]
+    run = {"cells": cells, "options": options, "max_body_bytes": 2**26}
+    (row,) = headline.rows({"bodies": run})
+    assert (row.ours, row.met) == ("2 requests, 1 hung, not all", False)

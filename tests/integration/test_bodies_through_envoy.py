@@ -14,7 +14,9 @@ from extproc.stack.local import LocalStack
 
 from .conftest import fleet
 
-BUFFER_LIMIT = BootstrapParams.buffer_limit_bytes
+# Bodies up to the router's max_body_bytes and past it: tests/bench/test_bodies.py and
+# `prefix-router bench bodies`.
+LARGE = 8 * 1024 * 1024 - 4096
 
 
 def chat_of_size(size: int, tag: str = "") -> bytes:
@@ -35,8 +37,8 @@ def assert_delivered(stack: LocalStack, response: httpx.Response, body: bytes) -
 
 @pytest.mark.parametrize(
     "size",
-    [1024, 64 * 1024, 1024 * 1024 + 4096, 2 * 1024 * 1024, BUFFER_LIMIT - 4096],
-    ids=["1KB", "64KB", "just-over-1MiB", "2MB", "near-limit"],
+    [1024, 64 * 1024, 1024 * 1024 + 4096, 2 * 1024 * 1024, LARGE],
+    ids=["1KB", "64KB", "just-over-1MiB", "2MB", "8MiB"],
 )
 def test_sized_bodies_are_routed_and_delivered_whole(stack: LocalStack, client, size):
     body = chat_of_size(size)
@@ -55,7 +57,7 @@ def test_bodies_far_over_the_kept_limit_arrive_whole_every_time(stack: LocalStac
     """With STREAMED bodies the router reads to the end before it closes the stream:
     closing while the body was still arriving made Envoy 1.40 send chunks twice (6 of 40
     bodies of 8 MiB). BUFFERED_PARTIAL must deliver them whole too."""
-    body = chat_of_size(BUFFER_LIMIT - 4096, tag="far-over")
+    body = chat_of_size(LARGE, tag="far-over")
     digest = hashlib.sha256(body).hexdigest()
     for _ in range(10):
         response = client.post(

@@ -419,7 +419,14 @@ class _Aborted(Exception):
 
 
 class _Context:
-    """The one thing the servicer asks of gRPC's context: ``abort``."""
+    """What the servicer asks of gRPC's context: ``read`` (the requests, then EOF once the
+    client half-closed) and ``abort``."""
+
+    def __init__(self, requests: AsyncIterator[ProcessingRequest]) -> None:
+        self._requests = requests
+
+    async def read(self) -> Any:
+        return await anext(self._requests, grpc.aio.EOF)
 
     async def abort(self, code: Any, details: str = "") -> None:
         raise _Aborted(code, details)
@@ -441,9 +448,10 @@ def test_servicer_streams_in_process():
     calls = 0
     loop = asyncio.new_event_loop()
     processors = {
-        "hosts": ExternalProcessor(make_router(False)),
-        "empty": ExternalProcessor(make_router(True)),
-        "explodes": ExternalProcessor(_Exploding(RouterConfig(hosts=HOSTS))),
+        # No wait for a reset after the half-close: these streams have no peer to send one.
+        "hosts": ExternalProcessor(make_router(False), reset_wait_s=0),
+        "empty": ExternalProcessor(make_router(True), reset_wait_s=0),
+        "explodes": ExternalProcessor(_Exploding(RouterConfig(hosts=HOSTS)), reset_wait_s=0),
     }
     open_streams = metrics.STREAMS._value.get()
 
@@ -455,7 +463,8 @@ def test_servicer_streams_in_process():
         sent: list[float] = []
         responses, slowest = [], 0.0
         try:
-            async for response in processor.process(_messages(requests, sent), _Context()):  # type: ignore[arg-type]
+            stream = _messages(requests, sent)
+            async for response in processor.process(stream, _Context(stream)):  # type: ignore[arg-type]
                 slowest = max(slowest, time.perf_counter() - sent[-1])
                 responses.append(response)
         except _Aborted as aborted:

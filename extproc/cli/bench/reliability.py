@@ -1,10 +1,11 @@
-"""soak and saturation: the full stack under long and under rising load (both write
-reliability.md)."""
+"""concurrency, bodies, soak and saturation: the full stack under many streams, large
+bodies, long and rising load (soak and saturation write reliability.md)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 from extproc.cli.bench.workload import Workload, command_line, duration, out, quick, rounds
 
@@ -12,7 +13,7 @@ SATURATION_DURATION_S = 4.0
 
 
 def requests(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, help="requests to send (default 200000)")
+    parser.add_argument("--requests", type=int, help="requests to send (default 1000000)")
 
 
 def run_soak(args: argparse.Namespace) -> int:
@@ -101,6 +102,32 @@ def run_concurrency(args: argparse.Namespace) -> int:
     return 0 if data["levels"] and data["levels"][0]["held"] else 1
 
 
+def repeats(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--repeats", type=int, help="requests of each size in each way of uploading it (default 20)"
+    )
+
+
+def run_bodies(args: argparse.Namespace) -> int:
+    from extproc.bench import bodies
+
+    options = bodies.BodyOptions(out_dir=args.out, command=command_line(args))
+    if args.quick:
+        mib = bodies.MiB
+        options = dataclasses.replace(
+            options, sizes=(0, 64 * 1024, 9 * mib, bodies.MAX_BODY + mib), repeats=2
+        )
+    if args.repeats:
+        if args.repeats < 1:
+            print("prefix-router bench bodies: --repeats must be at least 1", file=sys.stderr)
+            return 2
+        options = dataclasses.replace(options, repeats=args.repeats)
+    data = bodies.run(options)
+    held = bodies.holds(data)
+    print(f"bodies: {len(data['cells'])} cells, {'held' if held else 'DID NOT HOLD'}")
+    return 0 if held else 1
+
+
 WORKLOADS = (
     Workload(
         "concurrency",
@@ -108,6 +135,13 @@ WORKLOADS = (
         "every one decided, no breaker trips, no fail-open; the highest count that holds",
         (levels, quick, out),
         run_concurrency,
+    ),
+    Workload(
+        "bodies",
+        "request bodies from 0 B to past max_body_bytes, fixed, chunked and slow-drip, "
+        "through each Envoy mode: each arrives whole or is refused with 413 at once",
+        (repeats, quick, out),
+        run_bodies,
     ),
     Workload(
         "soak",
