@@ -17,7 +17,7 @@ chunked in 64 KiB pieces (``chunked``), or chunked in 16 pieces with a pause bef
 - ``hung``: no answer within ``timeout_s``.
 
 The ladder holds when every body up to max_body_bytes was delivered and every larger one
-refused. The run is stored as ``bodies.json``; the markdown is rendered from it alone.
+refused (or, in override-host mode, which fails open, delivered whole). The run is stored as ``bodies.json``; the markdown is rendered from it alone.
 """
 
 from __future__ import annotations
@@ -171,9 +171,13 @@ def _counts(results: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def cell_holds(cell: dict[str, Any], max_body: int, options: dict[str, Any]) -> bool:
-    """Every body up to max_body delivered; every larger one refused, promptly."""
+    """Every body up to max_body delivered; every larger one refused, promptly. In
+    override-host mode a larger one may also arrive whole: Envoy hands the router a
+    BUFFERED_PARTIAL body in one message, and when the answer to tens of MiB comes after
+    message_timeout (a busy machine), override-host fails open, as it promises."""
     if cell["size"] <= max_body:
         return all(r["outcome"] == "delivered" for r in cell["results"])
+    fails_open = cell.get("mode") == "override-host"
     # A refusal comes once the client has sent enough to earn it: the slow drip's pauses
     # are upload time.
     drip_s = (
@@ -181,7 +185,9 @@ def cell_holds(cell: dict[str, Any], max_body: int, options: dict[str, Any]) -> 
     )
     bound = options["refuse_bound_s"] + drip_s
     return all(
-        r["outcome"] == "refused" and r.get("router") and r["s"] <= bound for r in cell["results"]
+        (r["outcome"] == "refused" and r.get("router") and r["s"] <= bound)
+        or (fails_open and r["outcome"] == "delivered")
+        for r in cell["results"]
     )
 
 
@@ -261,8 +267,10 @@ content-length (`fixed`), chunked in 64 KiB pieces (`chunked`), and chunked in
 each (`slow-drip`). A body is a chat completion padded with a base64 image (0 B: empty).
 Every body up to `max_body_bytes` must arrive byte for byte (`delivered`, whatever the
 upstream answered); every larger one must be refused with 413 within {bound:g} s of its
-last byte (`refused`). `hung`: no answer in {options["timeout_s"]:g} s. Times are from the
-start of the upload to the answer.
+last byte (`refused`), or, in override-host mode only, arrive whole: there Envoy fails
+open when the router's answer to a body that large comes after `message_timeout` (on a
+busy machine), as override-host promises. `hung`: no answer in {options["timeout_s"]:g} s.
+Times are from the start of the upload to the answer.
 
 {verdict}
 

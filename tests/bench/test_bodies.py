@@ -38,6 +38,13 @@ def test_a_cell_holds_only_if_small_bodies_arrive_and_large_ones_get_the_routers
     assert not cell_holds(cell(MAX_BODY, {**routers_413, "router": False}), MAX_BODY, OPTIONS)
     assert cell_holds(cell(MAX_BODY + 1, routers_413), MAX_BODY, OPTIONS)
     assert not cell_holds(cell(MAX_BODY + 1, delivered), MAX_BODY, OPTIONS)
+    # Override-host fails open when the answer to that large a message comes too late:
+    # the body arrives whole, which is allowed there and only there.
+    over = cell(MAX_BODY + 1, delivered)
+    assert cell_holds(over | {"mode": "override-host"}, MAX_BODY, OPTIONS)
+    assert not cell_holds(over | {"mode": "original-dst"}, MAX_BODY, OPTIONS)
+    hung = cell(MAX_BODY + 1, {"outcome": "hung", "s": 30})
+    assert not cell_holds(hung | {"mode": "override-host"}, MAX_BODY, OPTIONS)
     assert not cell_holds(cell(MAX_BODY + 1, {**routers_413, "router": False}), MAX_BODY, OPTIONS)
     slow = {**routers_413, "s": 2.2}  # not at once...
     assert not cell_holds(cell(MAX_BODY + 1, slow), MAX_BODY, OPTIONS)

@@ -24,6 +24,7 @@ OTHERS = (
     "soak",
     "saturation",
     "concurrency",
+    "bodies",
 )
 FLEET_FLAGS = [
     "--rate",
