@@ -17,7 +17,8 @@ chunked in 64 KiB pieces (``chunked``), or chunked in 16 pieces with a pause bef
 - ``hung``: no answer within ``timeout_s``.
 
 The ladder holds when every body up to max_body_bytes was delivered and every larger one
-refused (or, in override-host mode, which fails open, delivered whole). The run is stored as ``bodies.json``; the markdown is rendered from it alone.
+refused (or, in override-host mode, which fails open, delivered whole). The run is stored
+as ``bodies.json``; the markdown is rendered from it alone.
 """
 
 from __future__ import annotations
