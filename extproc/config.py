@@ -14,7 +14,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, Field, Strict, StrictInt, model_validator
+from pydantic import AfterValidator, Field, Strict, StrictBool, StrictInt, model_validator
 
 from extproc.errors import ConfigError
 from extproc.picker.decide import Strategy
@@ -254,6 +254,32 @@ class RouterConfig(FrozenModel):
         2,
         ge=0,
         le=8,
+    )
+    epp: StrictBool = described(
+        "Serve as a Gateway API Inference Extension endpoint picker (protocol 1.0.0): the "
+        "decision goes in the x-gateway-destination-endpoint header and the envoy.lb "
+        "metadata alike; a gateway's subset hint limits the choice (503 when nothing in it "
+        "is eligible); the served endpoint the gateway reports corrects the accounting. "
+        "`prefix-router epp` turns it on (docs/kubernetes.md).",
+        False,
+    )
+    epp_endpoint_list: StrictBool = described(
+        "In epp mode, send the ordered list of 1 + failover_hosts endpoints instead of one "
+        "(the gateway tries the next on a retry).",
+        False,
+    )
+    epp_conformance_hooks: StrictBool = described(
+        "In epp mode, honour the conformance suite's test-epp-endpoint-selection request "
+        "header, which names the endpoints a request must go to, and echo the served "
+        "endpoint. For conformance runs only: it lets a client choose the upstream.",
+        False,
+    )
+    health_listen: Address | None = described(
+        "A second address serving only gRPC health (liveness, readiness, the ext_proc "
+        "service and inference-extension), as the Inference Extension's charts probe on "
+        "9003. The listen address serves health too. null: none.",
+        None,
+        allowed="ip:port",
     )
     listen: ListenAddress = described(
         "The gRPC (ext_proc) address: ip:port, or a Unix socket (unix:/absolute/path) for "

@@ -78,8 +78,8 @@ SALT_REJECTED = Counter(
 )
 SHED = Counter(
     "prefix_router_shed",
-    "Requests decided on their headers alone, the least loaded host, because the router's "
-    "event loop ran further behind than shed_lag_s",
+    "Requests decided on their headers alone, the least loaded host (in epp mode: answered "
+    "429), because the router's event loop ran further behind than shed_lag_s",
 )
 LOOP_LAG = Gauge(
     "prefix_router_event_loop_lag_seconds",
@@ -89,8 +89,15 @@ LOOP_LAG = Gauge(
 REFUSED = Counter(
     "prefix_router_refused",
     "Requests the router answered itself instead of routing, by reason (body_too_large: "
-    "413, the body is over max_body_bytes)",
+    "413, the body is over max_body_bytes; no_eligible_endpoint: 503, nothing in an "
+    "endpoint-picker gateway's subset hint is eligible; shed: 429 in epp mode, see "
+    "prefix_router_shed)",
     ["reason"],
+)
+SERVED_ELSEWHERE = Counter(
+    "prefix_router_served_elsewhere",
+    "Requests an endpoint-picker gateway reports as served by another endpoint than the "
+    "one picked (a retry or its fallback); they count there instead",
 )
 FALLBACKS = Counter(
     "prefix_router_fallbacks",

@@ -9,6 +9,8 @@ handshake. The files are read once, at start: a renewed certificate needs a rest
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 from pathlib import Path
 
 import grpc
@@ -66,3 +68,47 @@ def listen(
     if port == 0:
         raise OSError(f"cannot listen on {address}")
     return port
+
+
+def write_self_signed(
+    directory: Path, names: tuple[str, ...] = ("localhost",)
+) -> tuple[Path, Path]:
+    """A new self-signed certificate and its key (EC P-256, a year) in ``directory``, as
+    ``tls.crt`` and ``tls.key``: what an endpoint picker serves when given no certificate
+    (gateways that call it over TLS do not verify it). ``names``: DNS names or IPs."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "prefix-router-epp")])
+    now = datetime.datetime.now(datetime.UTC)
+    alternatives: list[x509.GeneralName] = []
+    for name in names:
+        try:
+            alternatives.append(x509.IPAddress(ipaddress.ip_address(name)))
+        except ValueError:
+            alternatives.append(x509.DNSName(name))
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=365))
+        .add_extension(x509.SubjectAlternativeName(alternatives), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = directory / "tls.crt", directory / "tls.key"
+    key_file.touch(mode=0o600)
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    cert_file.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    return cert_file, key_file

@@ -10,6 +10,7 @@ import asyncio
 import random
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import structlog
 
@@ -19,17 +20,27 @@ from extproc.adapter.inflight import InFlight
 from extproc.adapter.unseen import UnseenDecisions
 from extproc.config import PrefixMatch, RouterConfig
 from extproc.control.model import HostLoad
+from extproc.errors import NoHostsError
 from extproc.index.popularity import PrefixPopularity, heat_of
 from extproc.index.prefill import PendingPrefill
 from extproc.index.prefix import IndexSizing, PrefixIndex
 from extproc.picker.affinity import LoadPolicy, decide_prefix
-from extproc.picker.blocks import chain_seed, prompt_blocks
+from extproc.picker.blocks import PrefixLookup, chain_seed, prompt_blocks
 from extproc.picker.decide import Decision, Outcome, Strategy, decide
 from extproc.picker.hosts import HostSet
 from extproc.picker.keys import RoutingKey, extract_key
 from extproc.picker.placement import key_digest
 
 log = structlog.get_logger("router")
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """A decision and the index lookup it was made on (None outside PREFIX_AWARE's index)."""
+
+    decision: Decision
+    lookup: PrefixLookup | None
+
 
 # A handed-off request whose completion Envoy never logged stops counting after this.
 COMPLETION_MAX_AGE_S = 900.0
@@ -175,7 +186,19 @@ class Router:
         decision when the request's stream ends, or ``hand_off`` it to the load feed
         when the stream closes first.
         """
+        return self.place(headers, body).decision
+
+    def place(
+        self, headers: Mapping[str, str], body: bytes, within: HostSet | None = None
+    ) -> Placement:
+        """``route``, over ``within`` (a gateway's subset of the hosts) when given, keeping
+        what the index looked up so that ``served`` can move the request if it went
+        elsewhere. Raises NoHostsError when there is no host to choose."""
         started = time.perf_counter()
+        candidates = self.hosts if within is None else within
+        if not candidates.hosts:
+            raise NoHostsError("no host to choose from")
+        lookup: PrefixLookup | None = None
         config = self.config
         longest = (
             config.routing_strategy is Strategy.PREFIX_AWARE
@@ -188,11 +211,11 @@ class Router:
             metrics.SALT_REJECTED.labels(key.salt_rejected.split(" ")[0]).inc()
             log.warning("salt_rejected", source=key.salt_rejected)
         if longest:
-            decision = self._decide_longest(key)
+            decision, lookup = self._decide_longest(key, candidates)
         else:
             decision = decide(
                 key_digest(key.key, key.salt),
-                self.hosts.serving(key.model),
+                candidates.serving(key.model),
                 self._loads(config.routing_strategy),
                 config.routing_strategy,
                 config.concurrency_threshold,
@@ -206,7 +229,22 @@ class Router:
         if decision.outcome in (Outcome.OVERFLOW, Outcome.SATURATED):
             metrics.OVERFLOWS.labels(decision.strategy.value).inc()
         metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
-        return decision
+        return Placement(decision, lookup)
+
+    def served(self, placement: Placement, endpoint: str) -> Decision:
+        """The gateway reports that ``endpoint`` served the request (a retry or its
+        fallback moved it): count it in flight there, and note that host as holding the
+        prompt. Returns the decision to ``finish`` from now on."""
+        decision = placement.decision
+        if endpoint == decision.primary:
+            return decision
+        self.in_flight.release(decision.primary)
+        self.in_flight.acquire(endpoint)
+        if placement.lookup is not None:
+            self.index.record(endpoint, placement.lookup)
+            self._count_evictions()
+        metrics.SERVED_ELSEWHERE.inc()
+        return Decision((endpoint,), decision.outcome, decision.strategy)
 
     def route_shed(self) -> Decision | None:
         """A decision on the headers alone, for a router too far behind to read the body in
@@ -233,13 +271,15 @@ class Router:
         metrics.SHED.inc()
         return decision
 
-    def _decide_longest(self, key: RoutingKey) -> Decision:
+    def _decide_longest(
+        self, key: RoutingKey, candidates: HostSet
+    ) -> tuple[Decision, PrefixLookup]:
         """PREFIX_AWARE over the prefix index: look up, decide (pure), then record."""
         config = self.config
         blocks = prompt_blocks(
             key.key, config.block_bytes, chain_seed(key.model, key.salt), key.segments
         )
-        hosts = self.hosts.serving(key.model)
+        hosts = candidates.serving(key.model)
         lookup = self.index.lookup(blocks, hosts.addresses)
         heat = heat_of(self.popularity, blocks, len(hosts), config.hot_prefix_factor)
         weights = self.placement_weights(hosts)
@@ -275,7 +315,7 @@ class Router:
             metrics.PREFIX_MATCHED.observe(matched / blocks.length)
             metrics.PROMPT_BYTES.inc(blocks.length)
             metrics.MATCHED_BYTES.inc(matched)
-        return decision
+        return decision, lookup
 
     def placement_weights(self, hosts: HostSet) -> Mapping[str, float]:
         """The control plane's placement weights (cache pressure) from a fresh load feed;

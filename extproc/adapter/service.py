@@ -34,6 +34,11 @@ from extproc.schema import socket_path
 log = structlog.get_logger("server")
 
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+# What the gRPC health service reports on: "" (the server), the ext_proc service, and the
+# names the Inference Extension's charts probe. All follow readiness (a host set to place
+# over), except liveness, which is SERVING while the process serves at all.
+READY_SERVICES = ("", SERVICE_NAME, "readiness", "inference-extension")
+LIVENESS_SERVICE = "liveness"
 # How long SIGTERM keeps accepting new streams while waiting for a health check to report
 # NOT_SERVING (Envoy checks every second), so no stream is refused before Envoy moves on.
 DRAIN_NOTICE_SECONDS = 3.0
@@ -76,9 +81,24 @@ class ExternalProcessor:
         end_at_decision = self.router.config.stream_end is StreamEnd.DECISION
         stream = RequestStream(self.router, end_at_decision, shed=self.shedding())
         metrics.STREAMS.inc()
+        # A read left pending at a FULL_DUPLEX_STREAMED deadline, taken up next turn.
+        pending: asyncio.Future[Any] | None = None
         try:
             while True:
-                request = await asyncio.shield(context.read())
+                deadline = stream.decide_by
+                if deadline is None and pending is None:
+                    request = await asyncio.shield(context.read())
+                else:
+                    pending = pending or asyncio.ensure_future(context.read())
+                    if deadline is not None:
+                        timeout = max(0.0, deadline - time.monotonic())
+                        done, _ = await asyncio.wait((pending,), timeout=timeout)
+                        if not done:
+                            for response in stream.on_deadline():
+                                yield response
+                            continue
+                    request = await asyncio.shield(pending)
+                    pending = None
                 if request is _EOF:
                     stream.close()  # the request is over: free its slot before the wait
                     await asyncio.sleep(self.reset_wait_s)
@@ -166,6 +186,8 @@ class ConfigReloader:
         "cluster",
         "workers",
         "event_loop",
+        "epp",
+        "health_listen",
         # The TLS files are read at start.
         "tls_cert_file",
         "tls_key_file",
@@ -312,6 +334,13 @@ async def serve(
     )
     health_servicer = HealthService()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    servers = [server]
+    if config.health_listen is not None:
+        # Health alone, in plaintext: Kubernetes' gRPC probes speak no TLS.
+        health_server = grpc.aio.server(options=keepalive.server_options())
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        tls.listen(health_server, config.health_listen, None)
+        servers.append(health_server)
     path = socket_path(config.listen)
     if path is not None:
         check_socket_path_free(path)
@@ -328,7 +357,8 @@ async def serve(
     if config_path is not None:
         reloader = ConfigReloader(router, config_path, overrides or {})
         background.append(asyncio.create_task(reloader.run(stop)))
-    await server.start()
+    for each in servers:
+        await each.start()
     if on_listening is not None:
         on_listening()
 
@@ -336,20 +366,22 @@ async def serve(
         # NOT_SERVING until there is a host set: Envoy's health checks keep streams away
         # from a router that could not place them.
         await router.ready.wait()
-        serving = health_pb2.HealthCheckResponse.SERVING
-        await health_servicer.set("", serving)
-        await health_servicer.set(SERVICE_NAME, serving)
+        for service in READY_SERVICES:
+            await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info("router_serving", hosts=len(router.hosts))
 
     background.append(asyncio.create_task(report_ready()))
-    for service in ("", SERVICE_NAME):
+    for service in READY_SERVICES:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     log.info(
         "router_started",
         listen=config.listen,
         metrics=config.metrics_listen,
         strategy=config.routing_strategy.value,
         tls=tls.server_mode(config.tls_cert_file, config.tls_client_ca_file),
+        health_listen=config.health_listen,
+        epp=config.epp,
         control_plane=config.control_plane,
         control_plane_tls=config.control_plane_ca_file is not None,
         hosts=len(router.hosts),
@@ -368,6 +400,8 @@ async def serve(
         log.info("router_draining", in_flight=router.in_flight.total())
         await health_servicer.drain_notice()
         await server.stop(router.config.drain_timeout_s)
+        for each in servers[1:]:
+            await each.stop(0)
         for task in background:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

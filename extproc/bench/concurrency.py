@@ -17,16 +17,20 @@ ladder stops at the first level that does not hold. The run is stored as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import structlog
 
 from extproc.bench import probes, report
+from extproc.stack.epp_gateway import EppGateway
+from extproc.stack.gateways import EPP_CLUSTER, MESSAGE_TIMEOUT, POOL_CLUSTER, Gateway
 from extproc.stack.local import LocalStack, StackSpec, envoy_binary, envoy_counters
+from extproc.stack.processes import ManagedProcess
 
 log = structlog.get_logger("bench")
 
@@ -44,6 +48,12 @@ FAILURE_COUNTERS: dict[str, tuple[str, ...]] = {
     ),
     "http.ingress.ext_proc.": ("failure_mode_allowed", "message_timeouts", "streams_failed"),
 }
+# The same, for an Envoy configured as an Inference Extension gateway (``gateways.py``).
+GATEWAY_FAILURE_COUNTERS: dict[str, tuple[str, ...]] = {
+    f"cluster.{POOL_CLUSTER}.": FAILURE_COUNTERS["cluster.vllm."],
+    f"cluster.{EPP_CLUSTER}.": FAILURE_COUNTERS["cluster.prefix_router."],
+    "http.inference_gateway.ext_proc.": FAILURE_COUNTERS["http.ingress.ext_proc."],
+}
 
 
 @dataclass(frozen=True)
@@ -55,35 +65,63 @@ class ConcurrencyOptions:
     ramp_s: float = 5.0
     sample_every_s: float = 1.0
     backends: int = 3
+    # None: the router behind the generated bootstrap. A gateway name: ``prefix-router
+    # epp`` behind an Envoy configured as that gateway configures it (FULL_DUPLEX_STREAMED,
+    # every response chunk passing through the picker), on a pool of four endpoints.
+    gateway: Gateway | None = None
     out_dir: Path | None = Path("docs/benchmarks")
     command: str = "prefix-router bench concurrency"
+
+    @property
+    def report_name(self) -> str:
+        return "concurrency" if self.gateway is None else f"concurrency-epp-{self.gateway}"
 
     @property
     def tokens(self) -> int:
         return max(1, round(self.stream_s / self.itl_s))
 
 
-def failure_counts(admin_url: str) -> dict[str, float]:
+def failure_counts(
+    admin_url: str, counters: dict[str, tuple[str, ...]] = FAILURE_COUNTERS
+) -> dict[str, float]:
     counts = {}
-    for prefix, names in FAILURE_COUNTERS.items():
+    for prefix, names in counters.items():
         seen = envoy_counters(admin_url, prefix)
         for name in names:
             counts[f"{prefix}{name}"] = seen.get(name, 0.0)
     return counts
 
 
-def decisions(stack: LocalStack) -> float:
+class Stack(Protocol):
+    """What a level drives and samples: a LocalStack, or an EppGateway."""
+
+    router: ManagedProcess | None
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def admin_url(self) -> str: ...
+
+    @property
+    def router_metrics_url(self) -> str: ...
+
+    def router_metric(self, name: str) -> float | None: ...
+
+
+def decisions(stack: Stack) -> float:
     return probes.total(probes.scrape(stack.router_metrics_url), "prefix_router_decisions_total")
 
 
 class _Sampler:
-    def __init__(self, stack: LocalStack) -> None:
+    def __init__(self, stack: Stack, backend_prefix: str) -> None:
         assert stack.router is not None and stack.router.popen is not None
         self.stack = stack
         self.pid = stack.router.popen.pid
         self.started = time.monotonic()
         self._cpu = probes.cpu_seconds(self.pid)
         self._at = self.started
+        self._backend_prefix = backend_prefix
 
     def sample(self, client_in_flight: int) -> dict[str, float]:
         now = time.monotonic()
@@ -94,7 +132,7 @@ class _Sampler:
         return {
             "t": round(now - self.started, 2),
             "client_in_flight": client_in_flight,
-            "backend_requests": envoy_counters(self.stack.admin_url, "cluster.vllm.").get(
+            "backend_requests": envoy_counters(self.stack.admin_url, self._backend_prefix).get(
                 "upstream_rq_active", 0.0
             ),
             "router_in_flight": probes.total(router, "prefix_router_in_flight_requests"),
@@ -103,10 +141,11 @@ class _Sampler:
         }
 
 
-async def _drive(stack: LocalStack, level: int, options: ConcurrencyOptions) -> dict[str, Any]:
+async def _drive(stack: Stack, level: int, options: ConcurrencyOptions) -> dict[str, Any]:
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
     timeout = aiohttp.ClientTimeout(total=options.stream_s * 3 + options.ramp_s + 60)
-    sampler = _Sampler(stack)
+    backend_prefix = "cluster.vllm." if options.gateway is None else f"cluster.{POOL_CLUSTER}."
+    sampler = _Sampler(stack, backend_prefix)
     samples: list[dict[str, float]] = []
     in_flight = peak = 0
     url = f"{stack.url}/v1/chat/completions"
@@ -159,19 +198,25 @@ async def _drive(stack: LocalStack, level: int, options: ConcurrencyOptions) -> 
     }
 
 
+def _stack(options: ConcurrencyOptions) -> contextlib.AbstractContextManager[Stack]:
+    sim_args = ("--ttft-ms", "0", "--itl-ms", f"{options.itl_s * 1000:g}")
+    if options.gateway is not None:
+        return EppGateway(
+            options.gateway, sim_args=sim_args, conformance_hooks=False, upstream_host_header=False
+        )
+    spec = StackSpec.ephemeral(options.backends, sim_args=sim_args, upstream_host_header=False)
+    return LocalStack(spec)
+
+
 def measure_level(level: int, options: ConcurrencyOptions) -> dict[str, Any]:
-    spec = StackSpec.ephemeral(
-        options.backends,
-        sim_args=("--ttft-ms", "0", "--itl-ms", f"{options.itl_s * 1000:g}"),
-        upstream_host_header=False,
-    )
-    with LocalStack(spec) as stack:
+    counters = FAILURE_COUNTERS if options.gateway is None else GATEWAY_FAILURE_COUNTERS
+    with _stack(options) as stack:
         before = decisions(stack)
         started = time.monotonic()
         result = asyncio.run(_drive(stack, level, options))
         result["seconds"] = round(time.monotonic() - started, 2)
         result["decided"] = decisions(stack) - before
-        result["failures"] = failure_counts(stack.admin_url)
+        result["failures"] = failure_counts(stack.admin_url, counters)
         result["open_streams_end"] = stack.router_metric("prefix_router_open_streams")
     result["level"] = level
     result["held"] = holds(result)
@@ -204,7 +249,7 @@ def run(options: ConcurrencyOptions) -> dict[str, Any]:
         "levels": levels,
     }
     if options.out_dir is not None:
-        report.write_rendered(options.out_dir, "concurrency", data)
+        report.write_rendered(options.out_dir, options.report_name, data)
     return data
 
 
@@ -226,6 +271,10 @@ def render(data: dict[str, Any]) -> str:
             [
                 level["level"],
                 level["completed"],
+                ", ".join(
+                    f"{'none' if code == '0' else code}: {count}"
+                    for code, count in sorted(level["statuses"].items())
+                ),
                 f"{level['decided']:.0f}",
                 f"{level['peak_client_in_flight']}",
                 f"{_peak(level, 'backend_requests'):.0f}",
@@ -237,7 +286,8 @@ def render(data: dict[str, Any]) -> str:
             ]
         )
     table = report.markdown_table(
-        ["requests", "completed", "decided by the router", "peak in flight (client)",
+        ["requests", "completed", "answers (status: requests)", "decided by the router",
+         "peak in flight (client)",
          "peak in flight (Envoy to backends)", "breaker, timeout and fail-open counters",
          "router in flight at the end", "router peak CPU (one core)", "router peak RSS (MiB)",
          "held"],
@@ -253,12 +303,37 @@ def render(data: dict[str, Any]) -> str:
         verdict += (
             f" The ladder stopped at {data['levels'][-1]['level']:,}, the first that did not."
         )
-    counters = ", ".join(f"`{p}{n}`" for p, names in FAILURE_COUNTERS.items() for n in names)
-    return f"""# Concurrency: thousands of streaming requests in flight at once
+    gateway = options.get("gateway")
+    counted = FAILURE_COUNTERS if gateway is None else GATEWAY_FAILURE_COUNTERS
+    counters = ", ".join(f"`{p}{n}`" for p, names in counted.items() for n in names)
+    if gateway is None:
+        title = "Concurrency: thousands of streaming requests in flight at once"
+        plot = "concurrency.png"
+        through = (
+            "one Envoy and one router at its defaults (the generated bootstrap, "
+            f"buffered-partial bodies), to {options['backends']} simulated vLLM instances"
+        )
+    else:
+        title = f"Concurrency through an endpoint picker, Envoy configured as {gateway}"
+        plot = f"concurrency-epp-{gateway}.png"
+        through = (
+            f"one Envoy configured as {gateway} configures it for an InferencePool "
+            f"({MESSAGE_TIMEOUT[gateway].removesuffix('s')} s message timeout, "
+            "FULL_DUPLEX_STREAMED bodies both ways, so every chunk of every reply passes "
+            "through the picker) and one "
+            "`prefix-router epp` at its defaults, to a pool of 4 simulated vLLM endpoints"
+        )
+    answers = "Answers: the HTTP status each client got (none: a connection error)."
+    if gateway is not None:
+        answers += (
+            " A 429 is the picker shedding: its event loop ran later than `shed_lag_s`, "
+            "and it answered at once, as the endpoint-picker protocol asks, instead of "
+            "letting Envoy's message timeout fail the request open unpicked."
+        )
+    return f"""# {title}
 
-Each level of the ladder sends that many streaming chat completions through one Envoy
-and one router at its defaults (the generated bootstrap, buffered-partial bodies), to
-{options["backends"]} simulated vLLM instances whose replies stream
+Each level of the ladder sends that many streaming chat completions through {through},
+whose replies stream
 {options["stream_s"]:g} s ({round(options["stream_s"] / options["itl_s"])} tokens, one every
 {options["itl_s"]:g} s). The requests start evenly over {options["ramp_s"]:g} s, so all of
 them are in flight together for most of a reply; each level runs on a fresh stack. A
@@ -267,13 +342,13 @@ decisions counter rises by exactly the level: none was placed by Envoy's fallbac
 counters {counters} all stay 0, and the router's requests in flight and open ext_proc
 streams are back to 0 at the end. CPU is the router process's share of one core between
 samples ({options["sample_every_s"]:g} s), RSS its resident memory; both are the peaks
-over the level.
+over the level. {answers}
 
 {table}
 
 {verdict}
 
-![in flight, CPU and memory over time](concurrency.png)
+![in flight, CPU and memory over time]({plot})
 
 ## Reproduce
 

@@ -310,6 +310,24 @@ def _concurrency_row(runs: Runs) -> Row | None:
     )
 
 
+def _epp_concurrency_row(runs: Runs) -> Row | None:
+    run = runs.get("concurrency-epp-kgateway")
+    if run is None:
+        return None
+    from extproc.bench.concurrency import highest_held
+
+    best = highest_held(run)
+    return Row(
+        "endpoint picker behind kgateway's Envoy (5 s message timeout, every reply chunk "
+        "through the picker): streams in flight, every one picked, none timed out",
+        "≥ 3,000",
+        f"{best:,} held" if best is not None else "none held",
+        "",
+        best is not None and best >= 3000,
+        ("concurrency-epp-kgateway",),
+    )
+
+
 def _bodies_row(runs: Runs) -> Row | None:
     run = runs.get("bodies")
     if run is None:
@@ -367,6 +385,7 @@ def rows(runs: Runs) -> list[Row]:
     found.append(_overhead_row(runs))
     found.append(_soak_row(runs))
     found.append(_concurrency_row(runs))
+    found.append(_epp_concurrency_row(runs))
     found.append(_bodies_row(runs))
     result = [row for row in found if row is not None]
     # "reported" rows have no target to meet.

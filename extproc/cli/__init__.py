@@ -15,6 +15,7 @@ from extproc.cli import (
     config_schema,
     control_plane,
     envoy_config,
+    epp,
     router,
     sim,
     up,
@@ -25,7 +26,17 @@ from extproc.errors import ConfigError, RouterError
 __all__ = ["EXIT_USAGE", "build_parser", "main", "parse_args"]
 
 # In the order ``prefix-router --help`` lists them.
-COMMANDS = (up, router, sim, bench, control_plane, envoy_config, config_reference, config_schema)
+COMMANDS = (
+    up,
+    router,
+    epp,
+    sim,
+    bench,
+    control_plane,
+    envoy_config,
+    config_reference,
+    config_schema,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

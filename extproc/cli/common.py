@@ -58,6 +58,13 @@ def ip_port(text: str) -> tuple[str, int]:
     return host.removeprefix("[").removesuffix("]"), int(port)
 
 
+def add_host_flag(parser: argparse.ArgumentParser, help: str) -> None:
+    """``--host IP:PORT``, repeatable, into ``args.host`` (a list)."""
+    parser.add_argument(
+        "--host", type=host_address, action="append", default=[], metavar="IP:PORT", help=help
+    )
+
+
 def backend_url(text: str) -> tuple[str, int]:
     """``http://host:port`` (or ``host:port``) resolved to an IP, as Envoy matches on IPs."""
     parsed = urllib.parse.urlsplit(text if "://" in text else f"http://{text}")

@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from extproc.cli.common import Commands, host_address
+from extproc.cli.common import Commands, add_host_flag, host_address
 
 
 def register(commands: Commands) -> None:
@@ -26,13 +26,9 @@ def register(commands: Commands) -> None:
         type=host_address,
         help="Prometheus address, ip:port (default 127.0.0.1:9103)",
     )
-    parser.add_argument(
-        "--host",
-        type=host_address,
-        action="append",
-        default=[],
-        metavar="IP:PORT",
-        help="a vLLM host; repeatable (replaces the config's hosts)",
+    add_host_flag(
+        parser,
+        "a vLLM host; repeatable (replaces the config's hosts)",
     )
     parser.set_defaults(handler=run)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from extproc.cli.common import (
     Commands,
+    add_host_flag,
     add_routing_flags,
     host_address,
     listen_address,
@@ -33,13 +34,9 @@ def register(commands: Commands) -> None:
         metavar="IP:PORT",
         help="the control plane's xDS address; it supplies the hosts and the load feed",
     )
-    parser.add_argument(
-        "--host",
-        type=host_address,
-        action="append",
-        default=[],
-        metavar="IP:PORT",
-        help="an upstream host; repeatable (replaces the config's hosts)",
+    add_host_flag(
+        parser,
+        "an upstream host; repeatable (replaces the config's hosts)",
     )
     parser.add_argument(
         "--workers",

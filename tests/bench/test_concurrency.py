@@ -53,3 +53,22 @@ def test_a_small_ladder_holds_and_its_report_renders_from_the_stored_run(tmp_pat
     assert (tmp_path / "concurrency.png").stat().st_size > 0
     report.rerender(tmp_path / "concurrency.json")
     assert (tmp_path / "concurrency.md").read_text() == rendered
+
+
+@pytest.mark.timeout(180)
+def test_a_small_ladder_through_an_endpoint_picker_holds_and_renders(tmp_path):
+    """kgateway's 5 s message timeout, every reply chunk echoed by the picker."""
+    options = ConcurrencyOptions(
+        levels=(80,), stream_s=2.0, itl_s=0.25, ramp_s=0.5, out_dir=tmp_path, gateway="kgateway"
+    )
+    data = concurrency.run(options)
+    (result,) = data["levels"]
+    assert result["held"], result
+    assert set(result["failures"]) >= {
+        "http.inference_gateway.ext_proc.message_timeouts",
+        "cluster.endpoint_picker.upstream_rq_active_overflow",
+    }
+    stored = json.loads((tmp_path / "concurrency-epp-kgateway.json").read_text())
+    rendered = (tmp_path / "concurrency-epp-kgateway.md").read_text()
+    assert rendered == concurrency.render(stored)
+    assert "configured as kgateway" in rendered and "concurrency-epp-kgateway.png" in rendered

@@ -118,6 +118,8 @@ def test_headline_production_rows_read_the_concurrency_and_bodies_runs():
     assert (row.ours, row.met) == ("3,000 held", True)
     (row,) = headline.rows({"concurrency": {"levels": [{"level": 1000, "held": True}]}})
     assert row.met is False
+    (row,) = headline.rows({"concurrency-epp-kgateway": run})
+    assert (row.ours, row.met) == ("3,000 held", True) and "picker" in row.measure
     options = {"refuse_bound_s": 2.0, "drip_pieces": 16, "drip_pause_s": 0.02}
     delivered = {"outcome": "delivered", "s": 0.1}
     hung = {"outcome": "hung", "s": 30}

@@ -436,7 +436,7 @@ class _Exploding(Router):
     """A router whose decision raises an unexpected error: it must cost one aborted
     stream, which Envoy's failure mode then decides."""
 
-    def route(self, headers, body):  # type: ignore[no-untyped-def]
+    def place(self, headers, body, within=None):  # type: ignore[no-untyped-def]
         raise RuntimeError("boom")
 
 

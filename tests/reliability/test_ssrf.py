@@ -253,7 +253,7 @@ def route(router: Router, headers: dict[str, str], body: dict[str, object]) -> s
     Envoy gets (the header for original-dst, the metadata for override-host) alike."""
     decision = router.route(headers, json.dumps(body).encode())
     router.finish(decision)
-    response = messages.route_on_body(decision)
+    response = messages.route_on_body(messages.destination(decision))
     (option,) = response.request_body.response.header_mutation.set_headers
     assert option.header.raw_value.decode() == decision.primary
     metadata = response.dynamic_metadata.fields[messages.LB_METADATA_NAMESPACE].struct_value

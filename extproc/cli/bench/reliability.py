@@ -83,12 +83,20 @@ def levels(parser: argparse.ArgumentParser) -> None:
         help="comma-separated requests in flight at once, ascending "
         "(default 1000,2000,3000,4000,5000,6000)",
     )
+    parser.add_argument(
+        "--gateway",
+        choices=("istio", "kgateway", "standalone"),
+        help="run `prefix-router epp` behind an Envoy configured as this gateway configures "
+        "it for an InferencePool, instead of the router behind the generated bootstrap",
+    )
 
 
 def run_concurrency(args: argparse.Namespace) -> int:
     from extproc.bench import concurrency
 
-    options = concurrency.ConcurrencyOptions(out_dir=args.out, command=command_line(args))
+    options = concurrency.ConcurrencyOptions(
+        out_dir=args.out, command=command_line(args), gateway=args.gateway
+    )
     if args.quick:
         options = dataclasses.replace(options, levels=(200,), stream_s=3.0, itl_s=0.25, ramp_s=1.0)
     if args.levels:
