@@ -23,6 +23,7 @@ from extproc.schema import (
     LOG_LEVELS,
     MAX_SOCKET_PATH_BYTES,
     PEM_FILE,
+    AbsolutePath,
     Address,
     FrozenModel,
     HeaderName,
@@ -280,6 +281,27 @@ class RouterConfig(FrozenModel):
         "9003. The listen address serves health too. null: none.",
         None,
         allowed="ip:port",
+    )
+    traffic_log: AbsolutePath | None = described(
+        "Write one record per routed request to this file, whatever the strategy: the "
+        "prompt's block hashes, lengths, model and a hash of its salt, never its text "
+        "(docs/operations.md, Traffic log). `prefix-router replay` predicts from it what "
+        "each strategy and setting would get. null: no log.",
+        None,
+        allowed="an absolute file path",
+    )
+    traffic_log_max_bytes: StrictInt = described(
+        "The traffic log's file is rotated at this size.",
+        64 * 1024 * 1024,
+        ge=1024 * 1024,
+        le=64 * 1024 * 1024 * 1024,
+    )
+    traffic_log_files: StrictInt = described(
+        "Files the traffic log keeps, the current one included: it never holds more than "
+        "traffic_log_files x traffic_log_max_bytes.",
+        8,
+        ge=2,
+        le=1000,
     )
     listen: ListenAddress = described(
         "The gRPC (ext_proc) address: ip:port, or a Unix socket (unix:/absolute/path) for "

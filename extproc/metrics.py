@@ -99,6 +99,11 @@ SERVED_ELSEWHERE = Counter(
     "Requests an endpoint-picker gateway reports as served by another endpoint than the "
     "one picked (a retry or its fallback); they count there instead",
 )
+TRAFFIC_LOG_DROPPED = Counter(
+    "prefix_router_traffic_log_dropped",
+    "Traffic-log records dropped because the writer thread was far behind (the request "
+    "was routed as usual)",
+)
 FALLBACKS = Counter(
     "prefix_router_fallbacks",
     "Requests the router could not place and left to Envoy's fallback, by reason",

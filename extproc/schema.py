@@ -120,6 +120,12 @@ def _dns_name(value: Any) -> str:
     return str(value)
 
 
+def _absolute_path(value: Any) -> str:
+    if not isinstance(value, str) or not value.startswith("/") or "\x00" in value:
+        raise _invalid("an absolute file path")
+    return value
+
+
 def _pem_file(value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise _invalid("a path to a PEM file")
@@ -165,6 +171,8 @@ Name = Annotated[str, Strict(), Field(min_length=1)]
 # A file that exists, can be read and holds PEM (a certificate, a key or a CA bundle). It
 # is read again when the process starts: a restart picks up a renewed certificate.
 PemFile = Annotated[str, BeforeValidator(_pem_file)]
+# A file this process writes: an absolute path (its folder is made if missing).
+AbsolutePath = Annotated[str, BeforeValidator(_absolute_path)]
 PEM_FILE = "a path to a readable PEM file"
 
 

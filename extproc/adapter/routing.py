@@ -17,6 +17,7 @@ import structlog
 from extproc import metrics
 from extproc.adapter.completions import Completions
 from extproc.adapter.inflight import InFlight
+from extproc.adapter.traffic_log import TrafficLog
 from extproc.adapter.unseen import UnseenDecisions
 from extproc.config import PrefixMatch, RouterConfig
 from extproc.control.model import HostLoad
@@ -25,7 +26,7 @@ from extproc.index.popularity import PrefixPopularity, heat_of
 from extproc.index.prefill import PendingPrefill
 from extproc.index.prefix import IndexSizing, PrefixIndex
 from extproc.picker.affinity import LoadPolicy, decide_prefix
-from extproc.picker.blocks import PrefixLookup, chain_seed, prompt_blocks
+from extproc.picker.blocks import PrefixLookup, PromptBlocks, chain_seed, prompt_blocks
 from extproc.picker.decide import Decision, Outcome, Strategy, decide
 from extproc.picker.hosts import HostSet
 from extproc.picker.keys import RoutingKey, extract_key
@@ -53,8 +54,11 @@ class Router:
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        traffic_log: TrafficLog | None = None,
     ) -> None:
         self._config = config
+        # Where each request's record goes (``traffic_log.py``); None: nowhere.
+        self.traffic_log = traffic_log
         self._policy = load_policy(config)
         self.hosts = HostSet.of(config.hosts)
         self.in_flight = InFlight()
@@ -210,8 +214,15 @@ class Router:
         if key.salt_rejected:
             metrics.SALT_REJECTED.labels(key.salt_rejected.split(" ")[0]).inc()
             log.warning("salt_rejected", source=key.salt_rejected)
+        blocks = None
+        if longest or self.traffic_log is not None:
+            blocks = self._blocks_of(key, longest, headers, body)
+        if self.traffic_log is not None:
+            assert blocks is not None
+            self.traffic_log.write(blocks, key.model, key.salt)
         if longest:
-            decision, lookup = self._decide_longest(key, candidates)
+            assert blocks is not None
+            decision, lookup = self._decide_longest(key, blocks, candidates)
         else:
             decision = decide(
                 key_digest(key.key, key.salt),
@@ -271,14 +282,24 @@ class Router:
         metrics.SHED.inc()
         return decision
 
+    def _blocks_of(
+        self, key: RoutingKey, longest: bool, headers: Mapping[str, str], body: bytes
+    ) -> PromptBlocks:
+        """The prompt's block chain, to the match depth: the key PREFIX_AWARE matched on,
+        or, under another strategy, for the traffic log only, the prompt read that deep."""
+        config = self.config
+        if not longest:
+            depth = config.match_depth_chars
+            key = extract_key(body, headers, config.key_mode, depth, config.trusted_salt_header)
+        return prompt_blocks(
+            key.key, config.block_bytes, chain_seed(key.model, key.salt), key.segments
+        )
+
     def _decide_longest(
-        self, key: RoutingKey, candidates: HostSet
+        self, key: RoutingKey, blocks: PromptBlocks, candidates: HostSet
     ) -> tuple[Decision, PrefixLookup]:
         """PREFIX_AWARE over the prefix index: look up, decide (pure), then record."""
         config = self.config
-        blocks = prompt_blocks(
-            key.key, config.block_bytes, chain_seed(key.model, key.salt), key.segments
-        )
         hosts = candidates.serving(key.model)
         lookup = self.index.lookup(blocks, hosts.addresses)
         heat = heat_of(self.popularity, blocks, len(hosts), config.hot_prefix_factor)

@@ -25,6 +25,7 @@ from extproc.adapter.fleet_client import FleetClient, FleetTls
 from extproc.adapter.lag import LoopLag
 from extproc.adapter.phases import RequestStream
 from extproc.adapter.routing import Router
+from extproc.adapter.traffic_log import TrafficLog
 from extproc.config import EventLoop, RouterConfig, StreamEnd, load_config
 from extproc.errors import ConfigError, StreamAborted
 from extproc.filewatch import FileWatcher
@@ -188,6 +189,9 @@ class ConfigReloader:
         "event_loop",
         "epp",
         "health_listen",
+        "traffic_log",
+        "traffic_log_max_bytes",
+        "traffic_log_files",
         # The TLS files are read at start.
         "tls_cert_file",
         "tls_key_file",
@@ -324,7 +328,12 @@ async def serve(
 ) -> None:
     """Run the router until ``stop`` is set (or SIGINT/SIGTERM), then drain and exit.
     ``on_listening`` is called once its ports are bound and the gRPC server started."""
-    router = Router(config)
+    traffic_log = (
+        TrafficLog(Path(config.traffic_log), config.traffic_log_max_bytes, config.traffic_log_files)
+        if config.traffic_log is not None
+        else None
+    )
+    router = Router(config, traffic_log=traffic_log)
     server = grpc.aio.server(options=server_options())
     stop = stop or asyncio.Event()
     lag = LoopLag()
@@ -408,6 +417,8 @@ async def serve(
                 await task
         metrics_server.shutdown()
         metrics_thread.join(timeout=5)
+        if traffic_log is not None:
+            traffic_log.close()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
         log.info("router_stopped")

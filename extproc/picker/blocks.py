@@ -83,6 +83,24 @@ class PromptBlocks:
         stop = ends[1] if len(ends) > 1 else length
         return _hash(self.key[start:stop], self.prefix_hash(depth))
 
+    def anchors(self) -> list[int]:
+        """``anchor(depth)`` for every depth from 0 to ``depth``, in one pass."""
+        block, key, segments, hashes = self.block_bytes, self.key, self.segments, self.hashes
+        length = len(key)
+        result = []
+        at = 0  # segments[at] is the first message end past the depth's start
+        for depth in range(len(hashes) + 1):
+            start = depth * block
+            while at < len(segments) and segments[at] <= start:
+                at += 1
+            end = segments[at] if at < len(segments) else length
+            if end - start >= block:
+                result.append(hashes[depth])
+                continue
+            stop = segments[at + 1] if at + 1 < len(segments) else length
+            result.append(_hash(key[start:stop], self.prefix_hash(depth)))
+        return result
+
 
 @dataclass(frozen=True, slots=True)
 class PrefixLookup:

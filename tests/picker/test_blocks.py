@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.picker.blocks import chain_seed, prompt_blocks
@@ -125,3 +125,18 @@ def test_an_unpopular_prompt_is_anchored_by_its_first_block():
     short = prompt_blocks(b"tiny", BLOCK, 5)
     assert short.anchor(0) != prompt_blocks(b"tinier", BLOCK, 5).anchor(0)
     assert short.anchor(0) != prompt_blocks(b"tiny", BLOCK, 6).anchor(0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    parts=st.lists(st.text(max_size=900), max_size=6),
+    block=st.sampled_from([64, 128, 512]),
+)
+def test_anchors_in_one_pass_equal_each_anchor(parts, block):
+    key = b""
+    segments = []
+    for part in parts:
+        key += part.encode("utf-8", "surrogatepass")
+        segments.append(len(key))
+    blocks = prompt_blocks(key, block, 7, tuple(segments))
+    assert blocks.anchors() == [blocks.anchor(d) for d in range(blocks.depth + 1)]
