@@ -293,38 +293,21 @@ def _soak_row(runs: Runs) -> Row | None:
     )
 
 
-def _concurrency_row(runs: Runs) -> Row | None:
-    run = runs.get("concurrency")
+def _concurrency_row(runs: Runs, name: str, measure: str) -> Row | None:
+    """A concurrency ladder's row: the highest level held, against 3,000."""
+    run = runs.get(name)
     if run is None:
         return None
     from extproc.bench.concurrency import highest_held
 
     best = highest_held(run)
     return Row(
-        "streaming requests in flight at once, every one decided, nothing tripped",
+        measure,
         "≥ 3,000",
         f"{best:,} held" if best is not None else "none held",
         "",
         best is not None and best >= 3000,
-        ("concurrency",),
-    )
-
-
-def _epp_concurrency_row(runs: Runs) -> Row | None:
-    run = runs.get("concurrency-epp-kgateway")
-    if run is None:
-        return None
-    from extproc.bench.concurrency import highest_held
-
-    best = highest_held(run)
-    return Row(
-        "endpoint picker behind kgateway's Envoy (5 s message timeout, every reply chunk "
-        "through the picker): streams in flight, every one picked, none timed out",
-        "≥ 3,000",
-        f"{best:,} held" if best is not None else "none held",
-        "",
-        best is not None and best >= 3000,
-        ("concurrency-epp-kgateway",),
+        (name,),
     )
 
 
@@ -384,8 +367,21 @@ def rows(runs: Runs) -> list[Row]:
     found.append(_fleet_events_row(runs))
     found.append(_overhead_row(runs))
     found.append(_soak_row(runs))
-    found.append(_concurrency_row(runs))
-    found.append(_epp_concurrency_row(runs))
+    found.append(
+        _concurrency_row(
+            runs,
+            "concurrency",
+            "streaming requests in flight at once, every one decided, nothing tripped",
+        )
+    )
+    found.append(
+        _concurrency_row(
+            runs,
+            "concurrency-epp-kgateway",
+            "endpoint picker behind kgateway's Envoy (5 s message timeout, every reply chunk "
+            "through the picker): streams in flight, every one picked, none timed out",
+        )
+    )
     found.append(_bodies_row(runs))
     result = [row for row in found if row is not None]
     # "reported" rows have no target to meet.
