@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import http.client
 import json
 import os
 import re
@@ -68,7 +69,7 @@ def scrape_metric(url: str, name: str) -> float | None:
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
             text = response.read().decode()
-    except OSError:
+    except (OSError, http.client.HTTPException):  # not up yet, or not an HTTP server
         return None
     for line in text.splitlines():
         if line.startswith(name + " "):

@@ -137,20 +137,54 @@ def http_ok(url: str) -> bool:
         return bool(200 <= response.status < 300)
 
 
+# Ports we choose lie below the kernel's ephemeral range. A client polling a port in
+# that range before its server binds can be handed the same port as its own source and
+# connect to itself (TCP simultaneous open): it then reads its own request back, and
+# the server cannot bind. Ports below the range are never a client's source.
+_LOWEST_PORT = 15000
+# Should the kernel's range start low, still choose among this many ports.
+_MIN_SPAN = 1000
+
+
+def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    try:
+        return int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct free ports; all are held open together so none repeats."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind((host, 0))
-        return [int(sock.getsockname()[1]) for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+    """``count`` distinct ports free on ``host``, below the ephemeral range; all are held
+    open together while checked, so none repeats."""
+    return free_ports_on(count, (host,))
+
+
+def free_ports_on(count: int, hosts: Sequence[str], attempts: int = 400) -> list[int]:
+    """``count`` distinct ports each free on every one of ``hosts``."""
+    rng = random.Random()
+    top = max(_LOWEST_PORT + _MIN_SPAN, _ephemeral_low())
+    chosen: list[int] = []
+    with contextlib.ExitStack() as held:
+        for _ in range(attempts):
+            if len(chosen) == count:
+                return chosen
+            port = rng.randrange(_LOWEST_PORT, top)
+            if port in chosen:
+                continue
+            try:
+                for host in hosts:
+                    sock = held.enter_context(socket.socket())
+                    sock.bind((host, port))
+            except OSError:
+                continue
+            chosen.append(port)
+        if len(chosen) == count:
+            return chosen
+    raise OSError(f"no {count} free ports on {', '.join(hosts)} after {attempts} tries")
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -164,11 +198,12 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 def free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
-    """The first of ``count`` consecutive free ports (``router --workers`` listens on a
-    run); all are held open together while checked."""
+    """The first of ``count`` consecutive free ports below the ephemeral range
+    (``router --workers`` listens on a run); all are held open together while checked."""
     rng = random.Random()
+    top = max(_LOWEST_PORT + _MIN_SPAN, _ephemeral_low())
     for _ in range(attempts):
-        base = rng.randrange(20000, 60000 - count)
+        base = rng.randrange(_LOWEST_PORT, top - count)
         sockets = []
         try:
             for port in range(base, base + count):

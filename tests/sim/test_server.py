@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.sim import server as sim_server
 from extproc.sim.server import SimOptions, serve
+from extproc.stack.processes import free_ports_on
 
 HOST = "127.0.0.1"
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=30)
@@ -25,19 +26,7 @@ BLOCK_CHARS = 64
 
 def free_port(*hosts: str) -> int:
     """A port number currently free on every one of `hosts`."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind((hosts[0], 0))
-            port = probe.getsockname()[1]
-        with contextlib.ExitStack() as stack:
-            try:
-                for host in hosts:
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no common free port on {hosts}")
+    return free_ports_on(1, hosts)[0]
 
 
 @contextlib.asynccontextmanager

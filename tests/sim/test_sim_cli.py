@@ -13,6 +13,7 @@ import pytest
 from extproc import cli
 from extproc.sim import server as sim_server
 from extproc.sim.options import SimOptions
+from extproc.stack.processes import free_port
 
 HOST = "127.0.0.1"
 
@@ -77,9 +78,7 @@ def test_bad_flag_combinations_exit_2(
 
 @contextlib.contextmanager
 def sim_process(*flags: str) -> Iterator[str]:
-    with socket.socket() as probe:
-        probe.bind((HOST, 0))
-        port = probe.getsockname()[1]
+    port = free_port(HOST)
     command = [sys.executable, "-m", "extproc", "sim", "--address", f"{HOST}:{port}", *flags]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
