@@ -282,6 +282,14 @@ class RouterConfig(FrozenModel):
         None,
         allowed="ip:port",
     )
+    shadow: StrictBool = described(
+        "Shadow mode: whatever the strategy, also compute where PREFIX_AWARE by longest "
+        "match would send each request, over its own model of each host's prefix cache, and "
+        "export what it predicts (hit rate, each host's share, overflow) beside what the "
+        "live strategy gets (docs/operations.md, Shadow mode). Applied on reload; turning it "
+        "on starts the model empty.",
+        False,
+    )
     traffic_log: AbsolutePath | None = described(
         "Write one record per routed request to this file, whatever the strategy: the "
         "prompt's block hashes, lengths, model and a hash of its salt, never its text "

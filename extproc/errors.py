@@ -38,3 +38,8 @@ class StreamAborted(RouterError):
     def __init__(self, reason: str) -> None:
         self.reason = reason
         super().__init__(reason)
+
+
+class ReplayError(RouterError):
+    """A traffic log cannot be replayed as asked (no records, a block size it cannot
+    give). The CLI maps it to exit code 1."""

@@ -6,10 +6,14 @@ Every fallback, overflow and protocol error increments one of these.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from extproc.adapter.routing import Router
 
 
 class PerHostGauge(Collector):
@@ -32,6 +36,107 @@ class PerHostGauge(Collector):
         yield family
 
 
+class ShadowAndLive(Collector):
+    """Shadow mode's predictions (``index/shadow.py``) beside what the live strategy gets,
+    read from the router when scraped: the hot path only counts in its own tables.
+
+    Predicted (while shadow mode is on; they start again at 0 when it is turned on):
+    ``prefix_router_shadow_{prompt,matched}_bytes_total`` (their rate's ratio is the hit
+    rate PREFIX_AWARE would get), ``prefix_router_shadow_requests_total{host}`` (its share)
+    and ``prefix_router_shadow_overflows_total``. Live: ``prefix_router_routed_requests_total
+    {host}`` (this router's decisions) and, from the load feed, each host's own vLLM
+    counters ``prefix_router_host_prefix_cache_{queries,hits}_total{host}``.
+    """
+
+    def __init__(self) -> None:
+        self._router: Router | None = None
+        REGISTRY.register(self)
+
+    def track(self, router: Router) -> None:
+        self._router = router
+
+    NAMES = (
+        "prefix_router_shadow_enabled",
+        "prefix_router_routed_requests",
+        "prefix_router_host_prefix_cache_queries",
+        "prefix_router_host_prefix_cache_hits",
+        "prefix_router_shadow_requests",
+        "prefix_router_shadow_overflows",
+        "prefix_router_shadow_prompt_bytes",
+        "prefix_router_shadow_matched_bytes",
+    )
+
+    def describe(self) -> Iterator[Metric]:
+        """The families it exports (so the registry checks their names at once)."""
+        for name in self.NAMES:
+            yield Metric(name, "", "gauge" if name.endswith("enabled") else "counter")
+
+    def collect(self) -> Iterator[Metric]:
+        router = self._router
+        enabled = GaugeMetricFamily(
+            "prefix_router_shadow_enabled", "1 while shadow mode is on, else 0"
+        )
+        enabled.add_metric([], 0 if router is None or router.shadow is None else 1)
+        yield enabled
+        if router is None:
+            return
+        routed = CounterMetricFamily(
+            "prefix_router_routed_requests",
+            "Requests this router sent to each host, by the live strategy",
+            labels=["host"],
+        )
+        for host, count in list(router.routed.items()):
+            routed.add_metric([host], count)
+        yield routed
+        queries = CounterMetricFamily(
+            "prefix_router_host_prefix_cache_queries",
+            "Each host's vllm:prefix_cache_queries_total (prompt tokens), from the load feed",
+            labels=["host"],
+        )
+        hits = CounterMetricFamily(
+            "prefix_router_host_prefix_cache_hits",
+            "Each host's vllm:prefix_cache_hits_total (prompt tokens), from the load feed",
+            labels=["host"],
+        )
+        for host, load in list(router.feed.items()):
+            queries.add_metric([host], load.prefix_cache_queries)
+            hits.add_metric([host], load.prefix_cache_hits)
+        yield queries
+        yield hits
+        worker = router.shadow
+        if worker is None:
+            return
+        shadow = worker.shadow
+        requests = CounterMetricFamily(
+            "prefix_router_shadow_requests",
+            "Requests PREFIX_AWARE would have sent to each host (shadow mode)",
+            labels=["host"],
+        )
+        for host, count in list(shadow.requests.items()):
+            requests.add_metric([host], count)
+        yield requests
+        for name, value, documentation in (
+            ("overflows", shadow.overflows, "Shadow decisions that overflowed or saturated"),
+            ("prompt_bytes", shadow.prompt_bytes, "Prompt bytes the shadow placed"),
+            (
+                "matched_bytes",
+                shadow.matched_bytes,
+                "Prompt bytes the shadow's host would have held cached",
+            ),
+        ):
+            yield CounterMetricFamily(f"prefix_router_shadow_{name}", documentation, value=value)
+
+
+SHADOW = ShadowAndLive()
+SHADOW_DROPPED = Counter(
+    "prefix_router_shadow_dropped",
+    "Requests shadow mode left out because its thread was more than 65,536 events behind",
+)
+SHADOW_SECONDS = Histogram(
+    "prefix_router_shadow_seconds",
+    "Time each shadow placement took, in shadow mode's thread (off the request path)",
+    buckets=(0.00001, 0.00002, 0.00003, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.01),
+)
 DECISIONS = Counter(
     "prefix_router_decisions",
     "Routing decisions, by strategy and how the primary host was chosen",

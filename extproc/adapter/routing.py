@@ -7,8 +7,10 @@ counts) and records metrics. It knows nothing of gRPC or of Envoy's messages.
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -17,19 +19,22 @@ import structlog
 from extproc import metrics
 from extproc.adapter.completions import Completions
 from extproc.adapter.inflight import InFlight
+from extproc.adapter.shadow_worker import ShadowWorker
 from extproc.adapter.traffic_log import TrafficLog
 from extproc.adapter.unseen import UnseenDecisions
 from extproc.config import PrefixMatch, RouterConfig
 from extproc.control.model import HostLoad
 from extproc.errors import NoHostsError
-from extproc.index.popularity import PrefixPopularity, heat_of
+from extproc.index.placer import place_longest
+from extproc.index.popularity import PrefixPopularity
 from extproc.index.prefill import PendingPrefill
 from extproc.index.prefix import IndexSizing, PrefixIndex
-from extproc.picker.affinity import LoadPolicy, decide_prefix
+from extproc.index.shadow import Shadow
+from extproc.picker.affinity import LoadPolicy
 from extproc.picker.blocks import PrefixLookup, PromptBlocks, chain_seed, prompt_blocks
 from extproc.picker.decide import Decision, Outcome, Strategy, decide
 from extproc.picker.hosts import HostSet
-from extproc.picker.keys import RoutingKey, extract_key
+from extproc.picker.keys import KeySource, RoutingKey, extract_key
 from extproc.picker.placement import key_digest
 
 log = structlog.get_logger("router")
@@ -71,6 +76,13 @@ class Router:
         self._evicted_counted = dict(self.index.evicted)
         self.popularity = PrefixPopularity()
         self.prefill = pending_prefill(config)
+        # Shadow mode (``index/shadow.py``): where PREFIX_AWARE would have sent each request,
+        # placed in its own thread. A decision is known to it by its id; a decision ``served``
+        # moved to another endpoint keeps its first one.
+        self.shadow = new_shadow(config) if config.shadow else None
+        self._moved: dict[int, int] = {}
+        # Live decisions per host, since start: the share the shadow's is set against.
+        self.routed: Counter[str] = Counter()
         self._rng = rng or random.Random()
         self._clock = clock
         self._wall_clock = wall_clock
@@ -90,6 +102,7 @@ class Router:
         metrics.INDEX_CAPACITY.set_function(
             lambda: sum(self.index.capacity_of(a) for a in self.hosts.addresses)
         )
+        metrics.SHADOW.track(self)
 
     @property
     def config(self) -> RouterConfig:
@@ -107,9 +120,29 @@ class Router:
             log.info("prefix_index_cleared", reason="index settings changed")
         if pending_prefill_rate(old) != pending_prefill_rate(config):
             self.prefill = pending_prefill(config)
+        if not config.shadow:
+            self._drop_shadow()
+        elif self.shadow is None or _shadow_settings(old) != _shadow_settings(config):
+            self._drop_shadow()
+            self.shadow = new_shadow(config)
+            self.shadow.retain(self.hosts.addresses)
+            self.shadow.set_cache_sizes(
+                {a: load.cache_capacity_tokens for a, load in self._feed.items()}
+            )
+            log.info("shadow_started")
         self.index.sizing = index_sizing(config)
         self.index.resize()
         self._count_evictions()
+
+    def _drop_shadow(self) -> None:
+        if self.shadow is not None:
+            self.shadow.stop()
+        self.shadow = None
+        self._moved.clear()
+
+    def close(self) -> None:
+        """Stop shadow mode's thread (the router is stopping)."""
+        self._drop_shadow()
 
     def _count_evictions(self) -> None:
         for reason, total in self.index.evicted.items():
@@ -124,6 +157,10 @@ class Router:
         self.index.retain(hosts.addresses)
         if self.prefill is not None:
             self.prefill.retain(hosts.addresses)
+        if self.shadow is not None:
+            self.shadow.retain(hosts.addresses)
+        for host in [h for h in self.routed if h not in hosts.addresses]:
+            del self.routed[host]
         self._count_evictions()
         metrics.HOSTS.set(len(hosts))
         self.ready.set()
@@ -135,8 +172,13 @@ class Router:
             # Counters that went backwards: the engine restarted, its cache is empty.
             if before is not None and load.prefix_cache_queries < before.prefix_cache_queries:
                 self.index.forget(address)
+                if self.shadow is not None:
+                    self.shadow.forget(address)
                 log.info("prefix_index_host_reset", host=address)
-        self.index.set_cache_sizes({a: load.cache_capacity_tokens for a, load in loads.items()})
+        sizes = {a: load.cache_capacity_tokens for a, load in loads.items()}
+        self.index.set_cache_sizes(sizes)
+        if self.shadow is not None:
+            self.shadow.set_cache_sizes(sizes)
         self._count_evictions()
         self._feed = loads
         now = self._feed_received_at = self._clock()
@@ -144,6 +186,11 @@ class Router:
         wall_now = self._wall_clock()
         for address, load in loads.items():
             self.unseen.scraped(address, now - max(0.0, wall_now - load.scraped_at))
+
+    @property
+    def feed(self) -> Mapping[str, HostLoad]:
+        """The last load feed: each host's load and vLLM counters."""
+        return self._feed
 
     def feed_age(self) -> float:
         if self._feed_received_at is None:
@@ -208,24 +255,49 @@ class Router:
             config.routing_strategy is Strategy.PREFIX_AWARE
             and config.prefix_match is PrefixMatch.LONGEST
         )
-        limit = config.match_depth_chars if longest else config.prefix_length
+        shadow = self.shadow
+        # The prompt's block chain: PREFIX_AWARE matches on it, and the traffic log and the
+        # shadow read it under any strategy. Then the prompt is read as deep as matching
+        # goes, once; the fixed-length key is its first prefix_length characters.
+        chained = longest or self.traffic_log is not None or shadow is not None
+        limit = config.match_depth_chars if chained else config.prefix_length
         key = extract_key(body, headers, config.key_mode, limit, config.trusted_salt_header)
         metrics.KEY_SOURCES.labels(key.source.value).inc()
         if key.salt_rejected:
             metrics.SALT_REJECTED.labels(key.salt_rejected.split(" ")[0]).inc()
             log.warning("salt_rejected", source=key.salt_rejected)
         blocks = None
-        if longest or self.traffic_log is not None:
-            blocks = self._blocks_of(key, longest, headers, body)
+        if longest or shadow is not None:
+            blocks = prompt_blocks(
+                key.key, config.block_bytes, chain_seed(key.model, key.salt), key.segments
+            )
+        # The fixed-length key's digest: PREFIX_AWARE-fixed places by it, and the traffic log
+        # keeps it so that a replay places as the router did.
+        digest = None
+        if not longest:
+            digest = key_digest(self._fixed_key(key, limit, headers, body), key.salt)
         if self.traffic_log is not None:
-            assert blocks is not None
-            self.traffic_log.write(blocks, key.model, key.salt)
+            fixed = None if digest is None else (digest, config.prefix_length)
+            # Where nothing here needs the chain, the writer thread hashes it.
+            chain = (
+                blocks
+                if blocks is not None
+                else functools.partial(
+                    prompt_blocks,
+                    key.key,
+                    config.block_bytes,
+                    chain_seed(key.model, key.salt),
+                    key.segments,
+                )
+            )
+            self.traffic_log.write(chain, key.model, key.salt, fixed)
         if longest:
             assert blocks is not None
             decision, lookup = self._decide_longest(key, blocks, candidates)
         else:
+            assert digest is not None
             decision = decide(
-                key_digest(key.key, key.salt),
+                digest,
                 candidates.serving(key.model),
                 self._loads(config.routing_strategy),
                 config.routing_strategy,
@@ -236,10 +308,16 @@ class Router:
                 config.balance_min_in_flight,
             )
         self.in_flight.acquire(decision.primary)
+        self.routed[decision.primary] += 1
         metrics.DECISIONS.labels(decision.strategy.value, decision.outcome.value).inc()
         if decision.outcome in (Outcome.OVERFLOW, Outcome.SATURATED):
             metrics.OVERFLOWS.labels(decision.strategy.value).inc()
         metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
+        if shadow is not None:
+            assert blocks is not None
+            hosts = candidates.serving(key.model)
+            weights = self.placement_weights(hosts)
+            shadow.place(id(decision), blocks, hosts, weights, self._clock())
         return Placement(decision, lookup)
 
     def served(self, placement: Placement, endpoint: str) -> Decision:
@@ -251,11 +329,16 @@ class Router:
             return decision
         self.in_flight.release(decision.primary)
         self.in_flight.acquire(endpoint)
+        self.routed[decision.primary] -= 1
+        self.routed[endpoint] += 1
+        moved = Decision((endpoint,), decision.outcome, decision.strategy)
+        if self.shadow is not None:
+            self._moved[id(moved)] = self._moved.pop(id(decision), id(decision))
         if placement.lookup is not None:
             self.index.record(endpoint, placement.lookup)
             self._count_evictions()
         metrics.SERVED_ELSEWHERE.inc()
-        return Decision((endpoint,), decision.outcome, decision.strategy)
+        return moved
 
     def route_shed(self) -> Decision | None:
         """A decision on the headers alone, for a router too far behind to read the body in
@@ -282,18 +365,20 @@ class Router:
         metrics.SHED.inc()
         return decision
 
-    def _blocks_of(
-        self, key: RoutingKey, longest: bool, headers: Mapping[str, str], body: bytes
-    ) -> PromptBlocks:
-        """The prompt's block chain, to the match depth: the key PREFIX_AWARE matched on,
-        or, under another strategy, for the traffic log only, the prompt read that deep."""
+    def _fixed_key(
+        self, key: RoutingKey, limit: int, headers: Mapping[str, str], body: bytes
+    ) -> bytes:
+        """The first ``prefix_length`` characters (bytes, natively) of the prompt, from
+        ``key``, read ``limit`` deep: cut from it, unless characters and bytes differ in
+        it (message text beyond ASCII), when the prompt is read again to that length."""
         config = self.config
-        if not longest:
-            depth = config.match_depth_chars
-            key = extract_key(body, headers, config.key_mode, depth, config.trusted_salt_header)
-        return prompt_blocks(
-            key.key, config.block_bytes, chain_seed(key.model, key.salt), key.segments
-        )
+        length = config.prefix_length
+        if limit == length:
+            return key.key
+        if key.source is KeySource.OPENAI and not key.key.isascii():
+            mode, salt_header = config.key_mode, config.trusted_salt_header
+            return extract_key(body, headers, mode, length, salt_header).key
+        return key.key[:length]
 
     def _decide_longest(
         self, key: RoutingKey, blocks: PromptBlocks, candidates: HostSet
@@ -301,41 +386,36 @@ class Router:
         """PREFIX_AWARE over the prefix index: look up, decide (pure), then record."""
         config = self.config
         hosts = candidates.serving(key.model)
-        lookup = self.index.lookup(blocks, hosts.addresses)
-        heat = heat_of(self.popularity, blocks, len(hosts), config.hot_prefix_factor)
         weights = self.placement_weights(hosts)
-        now = self._clock()
-        prefill = self.prefill
-        decision = decide_prefix(
-            lookup,
-            heat,
+        placed = place_longest(
+            blocks,
             hosts,
             self._loads(Strategy.PREFIX_AWARE),
             weights,
             self._policy,
+            config.hot_prefix_factor,
             config.failover_hosts,
-            prefill.snapshot(now) if prefill is not None else None,
+            self.index,
+            self.popularity,
+            self.prefill,
+            self._clock(),
         )
+        decision, lookup = placed.decision, placed.lookup
         log.debug(
             "prefix_decision",
             primary=decision.primary,
             outcome=decision.outcome.value,
             blocks=blocks.depth,
             matched=lookup.matched,
-            popular=heat.depth,
-            replicas=heat.replicas,
+            popular=placed.heat.depth,
+            replicas=placed.heat.replicas,
             weights=weights,
         )
-        self.index.record(decision.primary, lookup)
         self._count_evictions()
-        self.popularity.observe(blocks.counted)
         if blocks.length:
-            matched = lookup.depth_on(decision.primary) * blocks.block_bytes
-            if prefill is not None:
-                prefill.add(decision.primary, blocks.length - matched, now)
-            metrics.PREFIX_MATCHED.observe(matched / blocks.length)
+            metrics.PREFIX_MATCHED.observe(placed.matched_bytes / blocks.length)
             metrics.PROMPT_BYTES.inc(blocks.length)
-            metrics.MATCHED_BYTES.inc(matched)
+            metrics.MATCHED_BYTES.inc(placed.matched_bytes)
         return decision, lookup
 
     def placement_weights(self, hosts: HostSet) -> Mapping[str, float]:
@@ -351,13 +431,20 @@ class Router:
 
     def finish(self, decision: Decision) -> None:
         self.in_flight.release(decision.primary)
+        self._end_shadow(decision)
+
+    def _end_shadow(self, decision: Decision) -> None:
+        if self.shadow is not None:
+            self.shadow.release(self._moved.pop(id(decision), id(decision)))
 
     def hand_off(self, decision: Decision) -> str | None:
         """The decision's stream closes before its request ends.
 
         With Envoy's access log connected, the request stays in flight until its log
         entry brings back the returned ticket (``complete``). Without it, the load feed
-        carries the request, and until the feed can show it, the unseen count."""
+        carries the request, and until the feed can show it, the unseen count. The shadow
+        counts the request on its shadow host no longer: it cannot tell when it ends."""
+        self._end_shadow(decision)
         now = self._clock()
         if self.completions.available:
             for host in self.completions.expire(now):
@@ -396,6 +483,29 @@ def pending_prefill_rate(config: RouterConfig) -> float | None:
 def pending_prefill(config: RouterConfig) -> PendingPrefill | None:
     rate = pending_prefill_rate(config)
     return None if rate is None else PendingPrefill(rate)
+
+
+def new_shadow(config: RouterConfig) -> ShadowWorker:
+    return ShadowWorker(
+        Shadow(
+            index_sizing(config),
+            load_policy(config),
+            config.hot_prefix_factor,
+            pending_prefill_rate(config),
+        )
+    )
+
+
+def _shadow_settings(config: RouterConfig) -> tuple[object, ...]:
+    """What the shadow's model depends on: when one of these changes, it starts afresh."""
+    return (
+        config.key_mode,
+        config.block_bytes,
+        config.match_depth_chars,
+        load_policy(config),
+        config.hot_prefix_factor,
+        pending_prefill_rate(config),
+    )
 
 
 def index_sizing(config: RouterConfig) -> IndexSizing:

@@ -419,6 +419,7 @@ async def serve(
         metrics_thread.join(timeout=5)
         if traffic_log is not None:
             traffic_log.close()
+        router.close()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
         log.info("router_stopped")

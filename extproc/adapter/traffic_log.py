@@ -11,7 +11,12 @@ A record is what the prefix index sees of a prompt, and nothing it does not need
 - ``seed``, ``hashes``, ``whole``: the chain's seed, the chained block hashes and the
   whole-prompt hash (``picker/blocks.py``);
 - ``anchors``: the placement anchor at every depth (``PromptBlocks.anchor``), so that a
-  replay places a new prefix as the router did without the text.
+  replay places a new prefix as the router did without the text;
+- ``ends``: the byte offsets where the prompt's messages end (lengths, no text), so that a
+  replay at a larger block size can tell where a message leaves too little for a block;
+- ``fixed``: the digest of SageMaker's fixed-length key (the first ``prefix_length``
+  characters, salted) and that ``prefix_length``, where the router computed it (under
+  every strategy but PREFIX_AWARE by longest match), or null.
 
 Records are JSON lines, built and written off the event loop by a ``QueueHandler`` and a
 listener thread (the request only queues what it saw; the prompt's text stays in memory
@@ -24,15 +29,15 @@ oldest file first, for ``prefix-router replay``.
 
 from __future__ import annotations
 
-import json
 import logging
 import logging.handlers
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import xxhash
 
 from extproc import metrics
@@ -51,21 +56,59 @@ def salt_digest(salt: str | None) -> str | None:
     return f"{xxhash.xxh3_64_intdigest(salt.encode('utf-8', 'surrogatepass')):016x}"
 
 
+class TrafficRecord(msgspec.Struct, frozen=True):
+    """One line of the log; msgspec checks every field's type as a line is read."""
+
+    t: float
+    model: str | None
+    salt: str | None
+    block_bytes: int
+    bytes: int
+    chars: int
+    seed: int
+    hashes: tuple[int, ...]
+    whole: int
+    anchors: tuple[int, ...]
+    ends: tuple[int, ...] = ()
+    # (digest, prefix_length) of the fixed-length key, where the router computed it.
+    fixed: tuple[int, int] | None = None
+
+    def well_formed(self) -> bool:
+        """What the types cannot say: one anchor per depth, lengths that fit the blocks."""
+        return (
+            self.block_bytes >= 1
+            and len(self.anchors) == len(self.hashes) + 1
+            and len(self.hashes) * self.block_bytes <= self.bytes
+            and self.chars >= 0
+            and all(a < b for a, b in zip((0, *self.ends), self.ends, strict=False))
+            and (not self.ends or self.ends[-1] <= self.bytes)
+            and (self.fixed is None or self.fixed[1] >= 1)
+        )
+
+
 def record_of(
-    blocks: PromptBlocks, model: str | None, salt: str | None, when: float
-) -> dict[str, Any]:
-    return {
-        "t": round(when, 3),
-        "model": model,
-        "salt": salt_digest(salt),
-        "block_bytes": blocks.block_bytes,
-        "bytes": blocks.length,
-        "chars": len(blocks.key.decode("utf-8", "replace")),
-        "seed": blocks.seed,
-        "hashes": list(blocks.hashes),
-        "whole": blocks.whole,
-        "anchors": blocks.anchors(),
-    }
+    blocks: PromptBlocks | Callable[[], PromptBlocks],
+    model: str | None,
+    salt: str | None,
+    fixed: tuple[int, int] | None,
+    when: float,
+) -> TrafficRecord:
+    if callable(blocks):  # the chain, hashed here, in the writer thread
+        blocks = blocks()
+    return TrafficRecord(
+        t=round(when, 3),
+        model=model,
+        salt=salt_digest(salt),
+        block_bytes=blocks.block_bytes,
+        bytes=blocks.length,
+        chars=len(blocks.key.decode("utf-8", "replace")),
+        seed=blocks.seed,
+        hashes=blocks.hashes,
+        whole=blocks.whole,
+        anchors=tuple(blocks.anchors()),
+        ends=blocks.segments,
+        fixed=fixed,
+    )
 
 
 class _Dropping(logging.handlers.QueueHandler):
@@ -90,7 +133,15 @@ class _JsonLine(logging.Formatter):
     """Builds the record in the writer thread: the request only queued what it saw."""
 
     def format(self, record: logging.LogRecord) -> str:
-        return json.dumps(record_of(*record.msg), separators=(",", ":"))
+        # RotatingFileHandler formats each record twice (to decide whether to rotate, then
+        # to write it): build it once.
+        line = getattr(record, "line", None)
+        if line is None:
+            line = record.line = _ENCODER.encode(record_of(*record.msg)).decode()
+        return str(line)
+
+
+_ENCODER = msgspec.json.Encoder()
 
 
 class TrafficLog:
@@ -113,9 +164,15 @@ class TrafficLog:
     def dropped(self) -> int:
         return self._handler.dropped
 
-    def write(self, blocks: PromptBlocks, model: str | None, salt: str | None) -> None:
+    def write(
+        self,
+        blocks: PromptBlocks | Callable[[], PromptBlocks],
+        model: str | None,
+        salt: str | None,
+        fixed: tuple[int, int] | None = None,
+    ) -> None:
         record = logging.LogRecord("traffic", logging.INFO, "", 0, None, None, None)
-        record.msg = (blocks, model, salt, self._clock())
+        record.msg = (blocks, model, salt, fixed, self._clock())
         self._handler.enqueue(record)
 
     def close(self) -> None:
@@ -135,15 +192,30 @@ def log_files(path: Path) -> list[Path]:
     return [*ordered, path] if path.exists() else ordered
 
 
-def read_records(path: Path) -> Iterator[dict[str, Any]]:
-    """Every record, oldest first, one line at a time (a log is never loaded whole). A
-    line cut short by a crash, or not a record, is skipped."""
-    for file in log_files(path):
-        with file.open(encoding="utf-8", errors="replace") as lines:
-            for line in lines:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(record, dict) and isinstance(record.get("hashes"), list):
-                    yield record
+class RecordReader:
+    """Every record of a log, oldest file first, one line at a time (a log is never
+    loaded whole). A line cut short by a crash, or not a well-formed record, is skipped
+    and counted in ``skipped``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.skipped = 0
+
+    def __iter__(self) -> Iterator[TrafficRecord]:
+        decode = msgspec.json.Decoder(TrafficRecord).decode
+        for file in log_files(self.path):
+            with file.open("rb") as lines:
+                for line in lines:
+                    try:
+                        record = decode(line)
+                    except msgspec.DecodeError:  # validation errors included
+                        self.skipped += 1
+                        continue
+                    if record.well_formed():
+                        yield record
+                    else:
+                        self.skipped += 1
+
+
+def read_records(path: Path) -> Iterator[TrafficRecord]:
+    return iter(RecordReader(path))

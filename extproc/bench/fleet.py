@@ -111,7 +111,7 @@ log = structlog.get_logger("bench")
 QUOTED_ROUTER_DEFAULTS = ("balance_factor", "balance_min_in_flight", "overload_cost")
 
 
-def _open_loop(fleet: Fleet, path: str, url: str, requests: list[BenchRequest]) -> PathResult:
+def open_loop(fleet: Fleet, path: str, url: str, requests: list[BenchRequest]) -> PathResult:
     """The open loop through ``url``: TTFTs, the measured hit rate, each instance's share."""
     options = fleet.options
     reset_caches(fleet.addresses)
@@ -161,7 +161,7 @@ def run_path(fleet: Fleet, path: str, requests: list[BenchRequest]) -> PathResul
         # from the path (or the probes) before.
         wait_for_idle_pressure(stack)
         counters_before = router_counters(stack)
-    result = _open_loop(fleet, path, url, requests)
+    result = open_loop(fleet, path, url, requests)
     if pairs is not None:
         result.overhead_pairs_ms = pairs
         result.overhead_ms = statistics.median(pairs)

@@ -330,6 +330,68 @@ def _bodies_row(runs: Runs) -> Row | None:
     )
 
 
+def _replay_rows(runs: Runs) -> Iterable[Row]:
+    """The replay's accuracy (its worst bounded configuration, over the workloads) and
+    its speed, from the accuracy run and its grid."""
+    run = runs.get("replay")
+    if run is not None and run.get("kind") == "replay-accuracy":
+        from extproc.bench.replay_accuracy import compared
+
+        bounded = [row for workload in run["workloads"] for row in compared(workload)]
+        hit = max(row["hit_rate_error"] for row in bounded)
+        share = max(row["share_error"] for row in bounded)
+        bounds = run["bounds"]
+        names = ", ".join(w["workload"]["name"] for w in run["workloads"])
+        yield Row(
+            f"replay's prediction against the real run ({names}; "
+            f"{len(bounded)} configurations): worst hit-rate error, worst instance's share",
+            f"≤ {bounds['hit_rate_points']:g} pts, ≤ {bounds['share_points']:g} pts",
+            f"{hit:.1f} pts, {share:.1f} pts",
+            "no peer predicts",
+            hit <= bounds["hit_rate_points"] and share <= bounds["share_points"],
+            ("replay",),
+        )
+    grid = runs.get("replay-grid")
+    if grid is not None:
+        speed = grid["decisions_per_cpu_s"]
+        yield Row(
+            f"replay speed, {len(grid['results'])} configurations in one pass",
+            "≥ 50,000 requests/s on one core",
+            f"{speed:,.0f} requests a CPU second",
+            "",
+            speed >= 50_000,
+            ("replay-grid",),
+        )
+
+
+def _shadow_rows(runs: Runs) -> Iterable[Row]:
+    run = runs.get("shadow")
+    if run is None:
+        return
+    from extproc.bench.shadow import worst_costs
+
+    bounds = run["bounds"]
+    worst = max(w["hit_rate_error"] for w in run["workloads"])
+    names = ", ".join(w["workload"]["name"] for w in run["workloads"])
+    yield Row(
+        f"shadow mode's predicted hit rate against PREFIX_AWARE's, measured ({names}): worst error",
+        f"≤ {bounds['hit_rate_points']:g} pts",
+        f"{worst:.1f} pts",
+        "no peer predicts",
+        worst <= bounds["hit_rate_points"],
+        ("shadow",),
+    )
+    shadow_us, log_us = worst_costs(run)
+    yield Row(
+        "added per request, median: shadow mode; the traffic log",
+        f"≤ {bounds['shadow_us']:g} µs; ≤ {bounds['log_us']:g} µs",
+        f"{shadow_us:.1f} µs; {log_us:.1f} µs",
+        "",
+        shadow_us <= bounds["shadow_us"] and log_us <= bounds["log_us"],
+        ("shadow",),
+    )
+
+
 def rows(runs: Runs) -> list[Row]:
     found: list[Row | None] = []
     found += _fleet_rows(runs, "long-context", "long-context, default rate:")
@@ -383,6 +445,8 @@ def rows(runs: Runs) -> list[Row]:
         )
     )
     found.append(_bodies_row(runs))
+    found += _shadow_rows(runs)
+    found += _replay_rows(runs)
     result = [row for row in found if row is not None]
     # "reported" rows have no target to meet.
     return [replace(r, met=None) if r.target == "reported" else r for r in result]

@@ -46,6 +46,10 @@ log = structlog.get_logger("bench")
 SINGLE = "single-instance"
 PATHS = (SINGLE, "RANDOM", "PREFIX_AWARE")
 SCENARIOS = ("documents", "rag", "conversations")
+# Shadow mode on real vLLM: the scenario served with RANDOM while the router shadows it;
+# its prediction is set against the scenario's PREFIX_AWARE path.
+SHADOW = "RANDOM-shadowing"
+SHADOW_SCENARIOS = ("documents",)
 
 
 # Three CPU engines share this machine's cores: one busy with a long prefill can starve the
@@ -119,6 +123,8 @@ class PathResult:
     seconds: float
     # Hosts the control plane's health checks ejected during the run (0 in a fair run).
     ejections: int = 0
+    # Shadow mode: the hit rate it predicted PREFIX_AWARE would get (the SHADOW path only).
+    predicted_hit_rate: float | None = None
 
     @property
     def affinity(self) -> float:
@@ -261,7 +267,10 @@ def run_path(stack: LocalStack, scenario: str, path: str, options: RealVllmOptio
     if path == SINGLE:
         url, involved, default_host = f"http://{addresses[0]}", addresses[:1], addresses[0]
     else:
-        stack.write_router_config(routing_strategy=path)
+        if path == SHADOW:
+            stack.write_router_config(routing_strategy="RANDOM", shadow=True)
+        else:
+            stack.write_router_config(routing_strategy=path)
         stack.restart_routers()
         # The path before (one instance alone, say) pressed some caches more than others;
         # this path starts from an idle fleet, as it starts from cold caches.
@@ -287,6 +296,11 @@ def run_path(stack: LocalStack, scenario: str, path: str, options: RealVllmOptio
     else:
         raise ValueError(f"unknown scenario {scenario!r}")
     seconds = time.monotonic() - started
+    predicted = None
+    if path == SHADOW:
+        prompt = stack.router_metric("prefix_router_shadow_prompt_bytes_total") or 0.0
+        matched = stack.router_metric("prefix_router_shadow_matched_bytes_total") or 0.0
+        predicted = matched / prompt if prompt else 0.0
     queries, hits = prefix_counters(involved)
     result = PathResult(
         scenario=scenario,
@@ -301,6 +315,7 @@ def run_path(stack: LocalStack, scenario: str, path: str, options: RealVllmOptio
             (stack.control_plane_metric("prefix_router_cp_ejections_total") or 0.0)
             - ejections_before
         ),
+        predicted_hit_rate=predicted,
     )
     log.info("bench.real_vllm", scenario=scenario, path=path, hit_rate=round(result.hit_rate, 3))
     return result
@@ -341,6 +356,20 @@ def real_vllm_stack(
             server.stop(timeout=20)
 
 
+def paths_of(scenario: str) -> tuple[str, ...]:
+    return (*PATHS, SHADOW) if scenario in SHADOW_SCENARIOS else PATHS
+
+
+def shadow_error(results: list[PathResult], scenario: str) -> float | None:
+    """How far, in points, the shadow's predicted hit rate for ``scenario`` was from what
+    PREFIX_AWARE got; None if the scenario was not shadowed."""
+    by_path = {r.path: r for r in results if r.scenario == scenario}
+    shadowed, prefix = by_path.get(SHADOW), by_path.get("PREFIX_AWARE")
+    if shadowed is None or prefix is None or shadowed.predicted_hit_rate is None:
+        return None
+    return 100 * abs(shadowed.predicted_hit_rate - prefix.hit_rate)
+
+
 def run(options: RealVllmOptions) -> list[PathResult]:
     with (
         tempfile.TemporaryDirectory(prefix="real-vllm-") as tmp,
@@ -349,7 +378,7 @@ def run(options: RealVllmOptions) -> list[PathResult]:
         results = [
             run_path(stack, scenario, path, options)
             for scenario in options.scenarios
-            for path in PATHS
+            for path in paths_of(scenario)
         ]
     if options.out_dir is not None:
         write_report(options, results)
@@ -366,6 +395,19 @@ def write_report(options: RealVllmOptions, results: list[PathResult]) -> Path:
         "results": [asdict(r) for r in results],
     }
     return report.write_rendered(options.out_dir, options.report_name, data)
+
+
+def _shadow_line(results: list[PathResult]) -> str:
+    lines = []
+    for scenario in dict.fromkeys(r.scenario for r in results):
+        error = shadow_error(results, scenario)
+        if error is not None:
+            lines.append(
+                f"\nShadow mode ({SHADOW}: served with RANDOM while the router shadowed it): "
+                f"its predicted hit rate for {scenario} was {error:.1f} points from what "
+                "PREFIX_AWARE then got.\n"
+            )
+    return "".join(lines)
 
 
 def render(data: dict[str, Any]) -> str:
@@ -389,12 +431,13 @@ def render(data: dict[str, Any]) -> str:
                 f"{statistics.median(ttft):.0f}" if ttft else "",
                 f"{result.requests / result.seconds:.2f}",
                 result.ejections,
+                "" if result.predicted_hit_rate is None else f"{result.predicted_hit_rate:.1%}",
             ]
         )
     table = report.markdown_table(
         ["scenario", "path", "requests", "hit rate (vLLM counters)", "of one instance's",
          "per-instance share", "groups on one instance", "TTFT p50 (ms)", "req/s",
-         "health ejections"],
+         "health ejections", "shadow's prediction for PREFIX_AWARE"],
         rows,
     )  # fmt: skip
     return f"""# Real vLLM ({options["device"]})
@@ -424,7 +467,7 @@ so nothing is ever cached twice).
   history with vLLM's own replies ({options["reply_tokens"]} tokens each).
 
 {table}
-
+{_shadow_line(results)}
 On the CPU, latency reflects one machine running client, proxy and three engines; the hit
 rates and shares are the claim.
 

@@ -63,6 +63,9 @@ RENDERERS = {
     "overhead": "extproc.bench.overhead",
     "prefix-index": "extproc.bench.prefix_index",
     "real-vllm": "extproc.bench.real_vllm",
+    "replay": "extproc.replay.report",
+    "replay-accuracy": "extproc.bench.replay_accuracy",
+    "shadow": "extproc.bench.shadow",
     "scale-event": "extproc.bench.scale_event",
     "sim-vs-vllm": "extproc.bench.sim_vs_vllm",
 }

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from extproc.picker.blocks import held_depth
+
 
 class HostBlocks:
     """One host's blocks, least recently routed first, at most ``capacity`` of them."""
@@ -31,19 +33,7 @@ class HostBlocks:
 
     def matched_depth(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of ``hashes`` this host holds."""
-        blocks = self._blocks
-        if not hashes or hashes[0] not in blocks:
-            return 0
-        if hashes[-1] in blocks:
-            return len(hashes)
-        low, high = 1, len(hashes) - 1  # hashes[low - 1] is held, hashes[high] is not
-        while low < high:
-            middle = (low + high) // 2
-            if hashes[middle] in blocks:
-                low = middle + 1
-            else:
-                high = middle
-        return low
+        return held_depth(self._blocks, hashes)
 
     def touch(self, hashes: Sequence[int], held: int) -> int:
         """Record a request carrying ``hashes`` of which the first ``held`` are here already

@@ -13,7 +13,7 @@ Pure: bytes in, integers out.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -125,3 +125,21 @@ def prompt_blocks(
         hashes.append(previous)
     whole = _hash(key[len(hashes) * block_bytes :], previous ^ _WHOLE)
     return PromptBlocks(seed, tuple(hashes), block_bytes, key, segments, whole)
+
+
+def held_depth(held: Container[int], hashes: Sequence[int]) -> int:
+    """How many leading ``hashes`` of a chain are in ``held``, a set closed under prefixes
+    (if block k of a chain is held, so are blocks 0..k-1): a binary search, about
+    log2(depth) lookups instead of a walk down the chain."""
+    if not hashes or hashes[0] not in held:
+        return 0
+    if hashes[-1] in held:
+        return len(hashes)
+    low, high = 1, len(hashes) - 1  # hashes[low - 1] is held, hashes[high] is not
+    while low < high:
+        middle = (low + high) // 2
+        if hashes[middle] in held:
+            low = middle + 1
+        else:
+            high = middle
+    return low

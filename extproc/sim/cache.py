@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from extproc.picker.blocks import held_depth
+
 # Seed of the hash chain: the "previous block hash" of the first block.
 _ROOT_HASH = 0
 
@@ -104,13 +106,33 @@ class PrefixCache:
 
     def lookup_and_insert(self, text: str) -> CacheResult:
         """Count the cached leading blocks of `text`, then cache all its full blocks."""
-        hashes = self.block_hashes(text)
-        hit_blocks = self.cached_prefix_blocks(hashes)
-        self.insert(hashes)
+        hit_blocks = self.touch(self.block_hashes(text))
         return CacheResult(
             query_tokens=self.query_tokens(text),
             hit_tokens=hit_blocks * self._block_size_tokens,
         )
+
+    def touch(self, hashes: Sequence[int]) -> int:
+        """``cached_prefix_blocks`` of `hashes`, then ``insert`` them; returns the former.
+
+        With no block referenced (the fixed-timing simulator, a replay), the cached blocks
+        of any chain form a prefix of it (every insert touches a block's ancestors after
+        the block itself, so a parent is never older than its child), so the count is a
+        binary search, and only the cached blocks need moving; the new ones are appended
+        in one call."""
+        if self._referenced:
+            hit = self.cached_prefix_blocks(hashes)
+            self.insert(hashes)
+            return hit
+        evictable = self._evictable
+        hit = held_depth(evictable, hashes)
+        if hit < len(hashes):
+            evictable.update(dict.fromkeys(reversed(hashes[hit:])))
+        move = evictable.move_to_end
+        for block_hash in reversed(hashes[:hit]):
+            move(block_hash)
+        self._evict_to_capacity()
+        return hit
 
     def insert(self, hashes: Sequence[int]) -> None:
         """Cache the blocks `hashes` unreferenced (most recent: the first of them)."""
@@ -189,5 +211,9 @@ class PrefixCache:
 
     def _evict_to_capacity(self) -> None:
         # Bounded: each pass removes one evictable block.
-        while self.blocks_used > self._capacity_blocks and self._evictable:
-            self._evictable.popitem(last=False)
+        evictable = self._evictable
+        excess = self.blocks_used - self._capacity_blocks
+        pop = evictable.popitem
+        while excess > 0 and evictable:
+            pop(last=False)
+            excess -= 1

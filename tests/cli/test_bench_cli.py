@@ -25,6 +25,8 @@ OTHERS = (
     "saturation",
     "concurrency",
     "bodies",
+    "replay",
+    "shadow",
 )
 FLEET_FLAGS = [
     "--rate",
@@ -92,6 +94,8 @@ def test_overhead_help_lists_only_overhead_flags(capsys):
         ("fleet-events", ["--rounds", "--quick", "--out"], ["--duration", "--paths"]),
         ("prefix-index", ["--quick", "--out"], ["--rounds", "--duration", "--paths"]),
         ("sim-vs-vllm", ["--out"], ["--quick", "--rounds", "--paths"]),
+        ("replay", ["--rate", "--duration", "--quick", "--out"], ["--paths", "--rounds"]),
+        ("shadow", ["--rate", "--duration", "--quick", "--out"], ["--paths", "--rounds"]),
     ],
 )
 def test_other_workloads_list_their_own_flags(capsys, workload, flags, absent):

@@ -98,11 +98,27 @@ def test_dashboard_queries_name_metrics_that_exist():
         (COMPOSE_DIR / "observability/grafana/dashboards/prefix-router.json").read_text()
     )
     titles = {panel["title"] for panel in dashboard["panels"]}
-    for wanted in ("hit rate", "Overflow", "share", "first token", "Routing latency", "feed"):
+    for wanted in (
+        "hit rate",
+        "Overflow",
+        "share",
+        "first token",
+        "Routing latency",
+        "feed",
+        "Shadow mode",
+    ):
         assert any(wanted.lower() in title.lower() for title in titles), wanted
     router_names = {
         metric._name for metric in vars(router_metrics).values() if hasattr(metric, "_name")
     }
+    # Collectors that export several families name them in describe().
+    for metric in vars(router_metrics).values():
+        if (
+            not isinstance(metric, type)
+            and not hasattr(metric, "_name")
+            and hasattr(metric, "describe")
+        ):
+            router_names |= {family.name for family in metric.describe()}
     sim_names = set(
         re.findall(r'"(vllm:\w+)"', (COMPOSE_DIR.parent / "extproc/sim/metrics.py").read_text())
     )

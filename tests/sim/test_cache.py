@@ -209,3 +209,17 @@ def test_reset_keeps_held_blocks_and_forgets_the_rest() -> None:
     assert cache.clear_unreferenced() == 3
     assert cache.lookup_and_insert("xyz").hit_tokens == 0
     assert cache.cached_prefix_blocks(held) == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(shape=cache_shapes, texts=st.lists(prompts, max_size=30))
+def test_touch_is_a_lookup_then_an_insert(shape: tuple[int, int, int], texts: list[str]) -> None:
+    # The fast path (a binary search over a prefix-closed cache, new blocks appended in one
+    # call) must count and order exactly as the block-by-block walk does.
+    fast, walked = PrefixCache(*shape), PrefixCache(*shape)
+    for text in texts:
+        hashes = fast.block_hashes(text)
+        expected = walked.cached_prefix_blocks(hashes)
+        walked.insert(hashes)
+        assert fast.touch(hashes) == expected
+        assert list(fast._evictable) == list(walked._evictable)

@@ -7,7 +7,15 @@ import json
 import httpx
 import pytest
 
-from extproc.bench.real_vllm import PATHS, SCENARIOS, SINGLE, run_path
+from extproc.bench.real_vllm import (
+    SCENARIOS,
+    SHADOW,
+    SHADOW_SCENARIOS,
+    SINGLE,
+    paths_of,
+    run_path,
+    shadow_error,
+)
 from extproc.control.loadfeed import parse_vllm_metrics
 from extproc.picker.keys import KeyMode, extract_key
 from extproc.stack.processes import wait_until
@@ -21,7 +29,7 @@ pytestmark = pytest.mark.timeout(1500)
 @pytest.fixture(scope="module")
 def results(vllm_stack, options):
     stack, _ = vllm_stack
-    runs = {(s, p): run_path(stack, s, p, options) for s in SCENARIOS for p in PATHS}
+    runs = {(s, p): run_path(stack, s, p, options) for s in SCENARIOS for p in paths_of(s)}
     for (scenario, path), result in runs.items():
         print(
             f"{scenario:14} {path:16} hit {result.hit_rate:.3f} "
@@ -37,6 +45,17 @@ def test_prefix_aware_hit_rate_is_clearly_higher_than_random(results):
     # Measured here: RANDOM 0.55, PREFIX_AWARE 0.81 (+0.26). Assert a safe part of it.
     assert prefix_rate >= random_rate + 0.12
     assert prefix_rate >= 0.65
+
+
+@pytest.mark.parametrize("scenario", SHADOW_SCENARIOS)
+def test_shadow_mode_predicts_prefix_awares_hit_rate_on_real_vllm(results, scenario):
+    # Served with RANDOM while shadowing, then with PREFIX_AWARE (both from cold caches):
+    # the shadow's prediction is within 5 points of vLLM's own counters under PREFIX_AWARE.
+    shadowed = results[scenario, SHADOW]
+    assert shadowed.predicted_hit_rate is not None
+    assert shadowed.predicted_hit_rate > shadowed.hit_rate + 0.1  # it sees the gain
+    error = shadow_error(list(results.values()), scenario)
+    assert error is not None and error <= 5.0, (shadowed.predicted_hit_rate, error)
 
 
 def test_every_request_of_a_document_reached_one_instance(results):

@@ -109,6 +109,55 @@ def run_scale_event(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_replay(args: argparse.Namespace) -> int:
+    from extproc.bench import replay_accuracy
+
+    options = replay_accuracy.ReplayAccuracyOptions(
+        rate_per_s=args.rate,
+        duration_s=args.duration or replay_accuracy.ReplayAccuracyOptions.duration_s,
+        out_dir=args.out,
+        command=command_line(args),
+    )
+    if args.quick:
+        options = replay_accuracy.quick(options)
+    data = replay_accuracy.run(options)
+    for workload in data["workloads"]:
+        for row in workload["rows"]:
+            print(
+                f"{workload['workload']['name']:14} {row['config']:28} "
+                f"hit {row['measured']['hit_rate']:6.1%} predicted "
+                f"{row['predicted']['hit_rate']:6.1%}  share error {row['share_error']:4.1f} pts"
+            )
+    return 0
+
+
+def run_shadow(args: argparse.Namespace) -> int:
+    from extproc.bench import shadow
+
+    options = shadow.ShadowOptions(
+        rate_per_s=args.rate,
+        duration_s=args.duration or shadow.ShadowOptions.duration_s,
+        out_dir=args.out,
+        command=command_line(args),
+    )
+    if args.quick:
+        options = shadow.quick(options)
+    data = shadow.run(options)
+    for workload in data["workloads"]:
+        print(
+            f"{workload['workload']['name']:14} predicted "
+            f"{workload['predicted']['hit_rate']:6.1%}  PREFIX_AWARE "
+            f"{workload['prefix_aware']['hit_rate']:6.1%}  shadow +"
+            f"{workload['cost']['added_us']['shadow']:.1f} us, log +"
+            f"{workload['cost']['added_us']['traffic log']:.1f} us"
+        )
+    return 0
+
+
+def replay_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rate", type=float, default=6.0, help="requests per second (default 6)")
+
+
 WORKLOADS = (
     *(
         Workload(
@@ -124,6 +173,20 @@ WORKLOADS = (
             run_fleet,
         )
         for name in get_args(WorkloadName)
+    ),
+    Workload(
+        "replay",
+        "how well prefix-router replay predicts: record a traffic log under RANDOM, replay "
+        "it for three configurations, run those for real, compare",
+        (replay_flags, duration(60.0, "seconds of arrivals"), quick, out),
+        run_replay,
+    ),
+    Workload(
+        "shadow",
+        "shadow mode: serve each workload with RANDOM while shadowing, then with "
+        "PREFIX_AWARE, and compare; and what shadow mode and the traffic log cost",
+        (replay_flags, duration(60.0, "seconds of arrivals"), quick, out),
+        run_shadow,
     ),
     Workload(
         "scale-event",
