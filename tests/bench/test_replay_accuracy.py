@@ -30,7 +30,10 @@ def test_a_replay_predicts_what_the_configurations_then_do(tmp_path):
     data = run(options)
     (workload,) = data["workloads"]
     assert [row["config"] for row in workload["rows"]] == [name for name, _, _ in CONFIGS]
-    assert workload["records"] == workload["requests"] > 50 and workload["skipped"] == 0
+    # A request routed without its body (shed, or failed open by Envoy) has no record: a few
+    # of a run's may be missing (replay.md: 394 records for 396 requests).
+    assert 0.95 * workload["requests"] <= workload["records"] <= workload["requests"]
+    assert workload["requests"] > 50 and workload["skipped"] == 0
     for row in workload["rows"]:
         assert row["measured"]["failures"] == 0
         assert row["measured"]["requests"] == workload["requests"]
