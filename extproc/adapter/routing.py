@@ -32,7 +32,7 @@ from extproc.index.prefix import IndexSizing, PrefixIndex
 from extproc.index.shadow import Shadow
 from extproc.picker.affinity import LoadPolicy
 from extproc.picker.blocks import PrefixLookup, PromptBlocks, chain_seed, prompt_blocks
-from extproc.picker.decide import Decision, Outcome, Strategy, decide
+from extproc.picker.decide import OVERFLOWED, Decision, Outcome, Strategy, decide
 from extproc.picker.hosts import HostSet
 from extproc.picker.keys import KeySource, RoutingKey, extract_key
 from extproc.picker.placement import key_digest
@@ -310,7 +310,7 @@ class Router:
         self.in_flight.acquire(decision.primary)
         self.routed[decision.primary] += 1
         metrics.DECISIONS.labels(decision.strategy.value, decision.outcome.value).inc()
-        if decision.outcome in (Outcome.OVERFLOW, Outcome.SATURATED):
+        if decision.outcome in OVERFLOWED:
             metrics.OVERFLOWS.labels(decision.strategy.value).inc()
         metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
         if shadow is not None:

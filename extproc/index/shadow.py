@@ -23,10 +23,8 @@ from extproc.index.prefix import IndexSizing, PrefixIndex
 from extproc.index.replies import ServedPrompts
 from extproc.picker.affinity import LoadPolicy
 from extproc.picker.blocks import PromptBlocks
-from extproc.picker.decide import Outcome
+from extproc.picker.decide import OVERFLOWED
 from extproc.picker.hosts import HostSet
-
-OVERFLOWED = (Outcome.OVERFLOW, Outcome.SATURATED)
 
 
 class Shadow:

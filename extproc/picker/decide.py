@@ -41,6 +41,11 @@ class Outcome(StrEnum):
     SHED = "shed"
 
 
+# The outcomes in which the key's first host did not take the request (a metric's and a
+# prediction's "overflow").
+OVERFLOWED = frozenset({Outcome.OVERFLOW, Outcome.SATURATED})
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     """An ordered list of targets (primary first, then failover) and how it was chosen."""

@@ -26,14 +26,12 @@ from extproc.index.prefill import PendingPrefill
 from extproc.index.prefix import IndexSizing, PrefixIndex
 from extproc.index.replies import ServedPrompts
 from extproc.picker.affinity import LoadPolicy
-from extproc.picker.decide import Decision, Outcome, Strategy, decide
+from extproc.picker.decide import OVERFLOWED, Decision, Strategy, decide
 from extproc.picker.hosts import HostSet
 from extproc.replay.configs import FIXED, LEAST_OUTSTANDING, PREFIX_AWARE, RANDOM, ReplayConfig
 from extproc.replay.fleet import FleetModel, VirtualFleet
 from extproc.replay.recorded import fixed_key_digest, recorded_blocks
 from extproc.sim.engine import EngineConfig
-
-OVERFLOWED = (Outcome.OVERFLOW, Outcome.SATURATED)
 
 
 @dataclass(frozen=True)
