@@ -83,9 +83,10 @@ def _shares(counts: dict[str, float], hosts: list[str]) -> dict[str, float]:
     return {h: counts.get(h, 0.0) / total for h in hosts}
 
 
-def measure_accuracy(options: ShadowOptions, workload: WorkloadName) -> dict[str, Any]:
-    spec = WorkloadSpec(name=workload, rate_per_s=options.rate_per_s, duration_s=options.duration_s)
-    requests = generate(spec)
+def measure_accuracy(
+    options: ShadowOptions, spec: WorkloadSpec, requests: list[BenchRequest]
+) -> dict[str, Any]:
+    workload = spec.name
     fleet_options = FleetBenchOptions(
         workload=spec, sim_args=default_sim_args(workload), paths=("RANDOM",), out_dir=None
     )
@@ -213,11 +214,12 @@ def measure_cost(requests: list[BenchRequest], rounds: int, count: int) -> dict[
 def run(options: ShadowOptions) -> dict[str, Any]:
     workloads = []
     for workload in options.workloads:
-        measured = measure_accuracy(options, workload)
         spec = WorkloadSpec(
             name=workload, rate_per_s=options.rate_per_s, duration_s=options.duration_s
         )
-        measured["cost"] = measure_cost(generate(spec), options.cost_rounds, options.cost_requests)
+        requests = generate(spec)
+        measured = measure_accuracy(options, spec, requests)
+        measured["cost"] = measure_cost(requests, options.cost_rounds, options.cost_requests)
         workloads.append(measured)
     data = {
         "kind": KIND,
