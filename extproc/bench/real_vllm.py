@@ -37,7 +37,7 @@ import structlog
 from extproc.bench import report
 from extproc.bench.counters import prefix_counters
 from extproc.bench.probes import wait_for_idle_pressure
-from extproc.stack.local import LocalStack, StackSpec
+from extproc.stack.local import LocalStack, StackSpec, envoy_counters
 from extproc.stack.processes import ManagedProcess, free_port, port_is_free
 from extproc.stack.vllm import VllmOptions, make_model, start_vllm, vllm_python
 
@@ -125,12 +125,30 @@ class PathResult:
     ejections: int = 0
     # Shadow mode: the hit rate it predicted PREFIX_AWARE would get (the SHADOW path only).
     predicted_hit_rate: float | None = None
+    # Requests moved off their prefix's host by overload or infrastructure, not by the
+    # routing, during the path: those Envoy placed itself (its ext_proc filter failed open),
+    # retries Envoy made (each to the next host of the router's list), and those the router
+    # shed (decided on their headers alone, its event loop running late: three CPU engines
+    # share two cores here).
+    failed_open: int = 0
+    retried: int = 0
+    shed: int = 0
 
     @property
     def affinity(self) -> float:
         """Share of groups all of whose requests reached one instance."""
         groups = self.hosts_per_group.values()
         return sum(len(hosts) == 1 for hosts in groups) / max(1, len(self.hosts_per_group))
+
+    @property
+    def moved_by_load(self) -> int:
+        """Requests placed without the routing's choice (see ``failed_open``)."""
+        return self.failed_open + self.retried + self.shed
+
+    @property
+    def split_groups(self) -> int:
+        """Groups whose requests reached more than one instance."""
+        return sum(len(hosts) > 1 for hosts in self.hosts_per_group.values())
 
     @property
     def min_share(self) -> float:
@@ -256,6 +274,13 @@ def _run_conversations(url: str, options: RealVllmOptions, recorder: _Recorder) 
         list(pool.map(converse, range(options.conversations)))
 
 
+def _envoy_moves(stack: LocalStack) -> tuple[int, int]:
+    """Envoy's counts of requests it placed itself (failed open) and of its retries."""
+    ext_proc = envoy_counters(stack.admin_url, "http.ingress.ext_proc.")
+    backends = envoy_counters(stack.admin_url, "cluster.vllm.")
+    return int(ext_proc.get("failure_mode_allowed", 0)), int(backends.get("upstream_rq_retry", 0))
+
+
 def _reset_caches(addresses: list[str]) -> None:
     for address in addresses:
         httpx.post(f"http://{address}/reset_prefix_cache", timeout=30).raise_for_status()
@@ -280,6 +305,7 @@ def run_path(stack: LocalStack, scenario: str, path: str, options: RealVllmOptio
     recorder = _Recorder(default_host)
     queries_before, hits_before = prefix_counters(involved)
     ejections_before = stack.control_plane_metric("prefix_router_cp_ejections_total") or 0.0
+    envoy_before = _envoy_moves(stack) if path != SINGLE else (0, 0)
     started = time.monotonic()
     if scenario == "conversations":
         _run_conversations(url, options, recorder)
@@ -302,6 +328,7 @@ def run_path(stack: LocalStack, scenario: str, path: str, options: RealVllmOptio
         matched = stack.router_metric("prefix_router_shadow_matched_bytes_total") or 0.0
         predicted = matched / prompt if prompt else 0.0
     queries, hits = prefix_counters(involved)
+    envoy_after = _envoy_moves(stack) if path != SINGLE else (0, 0)
     result = PathResult(
         scenario=scenario,
         path=path,
@@ -316,6 +343,10 @@ def run_path(stack: LocalStack, scenario: str, path: str, options: RealVllmOptio
             - ejections_before
         ),
         predicted_hit_rate=predicted,
+        failed_open=envoy_after[0] - envoy_before[0],
+        retried=envoy_after[1] - envoy_before[1],
+        # The router restarted for this path: its count is this path's.
+        shed=int(stack.router_metric("prefix_router_shed_total") or 0) if path != SINGLE else 0,
     )
     log.info("bench.real_vllm", scenario=scenario, path=path, hit_rate=round(result.hit_rate, 3))
     return result

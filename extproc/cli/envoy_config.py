@@ -92,6 +92,16 @@ def register(commands: Commands) -> None:
         f"{BootstrapParams.buffer_limit_bytes}, 40 MiB)",
     )
     parser.add_argument(
+        "--backend-idle-timeout-s",
+        type=float,
+        default=BootstrapParams.backend_idle_timeout_s,
+        metavar="S",
+        help="close a backend connection idle this long: keep it below the backends' own "
+        "keep-alive (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s), or a request sent as one "
+        "closes is reset and retried on another host (default "
+        f"{BootstrapParams.backend_idle_timeout_s:g})",
+    )
+    parser.add_argument(
         "--trusted-salt-header",
         metavar="NAME",
         type=_header_name,
@@ -223,6 +233,11 @@ def run(args: argparse.Namespace) -> int:
             "envoy-config",
             f"--buffer-limit-bytes must be 1048576-{2**31}, got {args.buffer_limit_bytes}",
         )
+    if not 0.1 <= args.backend_idle_timeout_s <= 3600:
+        return usage_error(
+            "envoy-config",
+            f"--backend-idle-timeout-s must be 0.1-3600, got {args.backend_idle_timeout_s:g}",
+        )
     routers = tuple(args.router) or BootstrapParams.routers
     endpoints = tuple(
         _worker_endpoint(router, i) for router in routers for i in range(args.router_workers)
@@ -249,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
         trusted_salt_header=args.trusted_salt_header,
         max_concurrent=args.max_concurrent,
         buffer_limit_bytes=args.buffer_limit_bytes,
+        backend_idle_timeout_s=args.backend_idle_timeout_s,
         body_mode=args.body_mode,
         router_tls=_tls(args, "router"),
         xds_tls=_tls(args, "xds"),

@@ -83,6 +83,13 @@ def register(commands: Commands) -> None:
         parser.add_argument(
             flag, type=kind, default=None, help=f"--timing model: {text} (default {default})"
         )
+    parser.add_argument(
+        "--keepalive-s",
+        type=float,
+        default=SimOptions.keepalive_s,
+        help="seconds an idle client connection stays open, as vLLM's "
+        f"VLLM_HTTP_TIMEOUT_KEEP_ALIVE (default {SimOptions.keepalive_s:g})",
+    )
     parser.add_argument("--model", default="sim-model", help="model name served")
     parser.set_defaults(handler=run)
 
@@ -110,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
             time_scale=args.time_scale,
             capacity_blocks=args.capacity_blocks,
             block_size_tokens=args.block_size,
+            keepalive_s=args.keepalive_s,
             **given,
         )
     except ValueError as error:

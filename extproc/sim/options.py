@@ -9,6 +9,8 @@ from typing import Literal
 from extproc.sim.engine import EngineConfig
 
 Timing = Literal["fixed", "model"]
+# vLLM's API server closes a connection idle this long (VLLM_HTTP_TIMEOUT_KEEP_ALIVE).
+VLLM_KEEPALIVE_S = 5.0
 # KV capacity when none is given: fixed timing keeps its historical size; the engine model
 # holds about 20 8k-token prompts (see engine.py).
 DEFAULT_CAPACITY_BLOCKS: dict[str, int] = {"fixed": 4096, "model": 10_000}
@@ -40,6 +42,8 @@ class SimOptions:
     attention_ms_per_kv_token: float = EngineConfig.attention_ms_per_kv_token
     max_batched_tokens: int = EngineConfig.max_batched_tokens
     max_num_seqs: int = EngineConfig.max_num_seqs
+    # Seconds an idle client connection stays open, as vLLM's keep-alive.
+    keepalive_s: float = VLLM_KEEPALIVE_S
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -59,7 +63,7 @@ class SimOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("ttft_ms", "itl_ms"):
+        for name in ("ttft_ms", "itl_ms", "keepalive_s"):
             value = getattr(self, name)
             valid = isinstance(value, int | float) and not isinstance(value, bool)
             if not valid or not math.isfinite(value) or value < 0:

@@ -303,6 +303,7 @@ async def serve(
                 auto_decompress=False,
                 shutdown_timeout=_SHUTDOWN_GRACE_S,
                 access_log=None,
+                keepalive_timeout=options.keepalive_s,
             )
             runners.append(runner)
             await runner.setup()

@@ -91,6 +91,11 @@ class BootstrapParams:
     # a request, and in buffered-partial mode its ext_proc stream, for the whole
     # generation; Envoy's default of 1024 made requests past it fail open in silence.
     max_concurrent: int = 16384
+    # Envoy closes a backend connection idle this long. vLLM's API server closes one idle
+    # for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); were Envoy's limit the longer (its default is
+    # an hour), a request sent as vLLM closes the connection is reset, and Envoy's retry
+    # takes it to the next host, away from its cache. None keeps Envoy's default.
+    backend_idle_timeout_s: float | None = 4.0
     # The router's trusted_salt_header: stripped from the client's request first, with the
     # routing headers, so only a filter placed after the strip filter can set it.
     trusted_salt_header: str | None = None
@@ -127,6 +132,17 @@ def _http2_options() -> dict[str, Any]:
             "explicit_http_config": {
                 "http2_protocol_options": {"connection_keepalive": keepalive.envoy_keepalive()}
             },
+        }
+    }
+
+
+def backend_idle_timeout(seconds: float) -> dict[str, Any]:
+    """A backend cluster's HTTP options: its connections close after ``seconds`` idle."""
+    return {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": _TYPE + "extensions.upstreams.http.v3.HttpProtocolOptions",
+            "common_http_protocol_options": {"idle_timeout": f"{seconds:g}s"},
+            "explicit_http_config": {"http_protocol_options": {}},
         }
     }
 
@@ -168,13 +184,17 @@ def _router_cluster(params: BootstrapParams) -> dict[str, Any]:
         # gRPC health checks take a draining router out before its streams are cut.
         "health_checks": [
             {
-                "timeout": "0.5s",
+                "timeout": "1s",
                 "interval": "1s",
                 # Envoy does not count ext_proc's gRPC streams as cluster traffic, so
                 # without this it checks only every 60 s (no_traffic_interval's default)
                 # and keeps sending streams to a router that has stopped.
                 "no_traffic_interval": "1s",
-                "unhealthy_threshold": 1,
+                # A draining router's NOT_SERVING takes it out at once whatever this says;
+                # it counts only checks that time out or cannot connect. At 1, one answer
+                # late on a busy machine took the only router out for a second, and every
+                # request in that second failed open.
+                "unhealthy_threshold": 2,
                 "healthy_threshold": 1,
                 "grpc_health_check": {},
             }
@@ -412,6 +432,10 @@ def build_bootstrap(params: BootstrapParams) -> dict[str, Any]:
     )
     # An HTTP/1 upstream takes a connection per request in flight: all three at one size.
     backend["circuit_breakers"] = circuit_breakers(params.max_concurrent)
+    if params.backend_idle_timeout_s is not None:
+        backend["typed_extension_protocol_options"] = backend_idle_timeout(
+            params.backend_idle_timeout_s
+        )
     http_connection_manager = {
         "@type": _TYPE
         + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",

@@ -6,7 +6,7 @@ committed reports quote; tests/cli/test_bench_cli.py checks it parses as `bench 
 import subprocess
 import sys
 
-PATHS = "RANDOM,PREFIX_AWARE,envoy-ring-hash,smg-cache-aware"
+PATHS = "PREFIX_AWARE,envoy-ring-hash,smg-cache-aware"
 
 
 def test_quick_long_context_through_the_cli(tmp_path):

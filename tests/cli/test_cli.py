@@ -101,6 +101,19 @@ def test_envoy_config_prints_a_bootstrap_with_the_given_backends(capsys):
     assert endpoints(xds) == [("127.0.0.5", 18001)]
 
 
+def test_envoy_config_closes_idle_backend_connections_before_vllm(capsys):
+    def idle_timeout(config: dict) -> str:
+        options = backend_cluster(config)["typed_extension_protocol_options"]
+        (http,) = options.values()
+        return http["common_http_protocol_options"]["idle_timeout"]
+
+    assert idle_timeout(bootstrap(capsys)) == "4s"  # vLLM closes at 5 s
+    assert idle_timeout(bootstrap(capsys, "--mode", "original-dst")) == "4s"
+    assert idle_timeout(bootstrap(capsys, "--backend-idle-timeout-s", "1.5")) == "1.5s"
+    assert main(["envoy-config", "--backend-idle-timeout-s", "0"]) == EXIT_USAGE
+    assert "--backend-idle-timeout-s must be 0.1-3600, got 0" in capsys.readouterr().err
+
+
 def test_envoy_config_lists_every_router_worker_as_an_endpoint(capsys):
     routers = ("--router", "127.0.0.1:6000", "--router", "127.0.0.2:7000")
     config = bootstrap(capsys, *routers, "--router-workers", "2", "--body-mode", "streamed")

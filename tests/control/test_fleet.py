@@ -21,7 +21,11 @@ SIM_A = "127.0.0.61"
 SIM_B = "127.0.0.62"
 DEAD = "127.0.0.63"
 MODEL = "fleet-model"
+# The run loop's tests: rounds every 0.1 s.
 FAST_HEALTH = {"interval_s": 0.1, "timeout_s": 0.1, "healthy_threshold": 2}
+# Tests that drive the rounds themselves: a simulator answering slowly on a loaded machine
+# must not read as down (a 0.1 s timeout failed one in a full run).
+ROUNDS_HEALTH = {"interval_s": 5.0, "timeout_s": 5.0, "healthy_threshold": 2}
 FAST_FEED = {"interval_s": 0.1, "timeout_s": 0.1}
 
 A = "127.0.0.1:8001"
@@ -153,7 +157,7 @@ async def test_fleet_publishes_the_healthy_simulators() -> None:
     async with simulators(SIM_A, SIM_B) as (sim_a, sim_b):
         dead = f"{DEAD}:{free_port(DEAD)}"
         config = load_control_plane_config(
-            None, {"hosts": [sim_a, sim_b, dead], "health": FAST_HEALTH}
+            None, {"hosts": [sim_a, sim_b, dead], "health": ROUNDS_HEALTH}
         )
         store = SnapshotStore()
         fleet = Fleet(config, store)
@@ -213,7 +217,7 @@ async def test_fleet_ejects_a_host_that_stops(tmp_path: Path) -> None:
 async def reloading(tmp_path: Path) -> AsyncIterator[tuple[Fleet, Path, list[str]]]:
     async with simulators(SIM_A, SIM_B) as sims:
         path = tmp_path / "control.yaml"
-        write_config(path, {"hosts": sims, "health": FAST_HEALTH})
+        write_config(path, {"hosts": sims, "health": ROUNDS_HEALTH})
         store = SnapshotStore()
         fleet = Fleet(load_control_plane_config(path), store, config_path=path)
         await health_rounds(fleet)
@@ -232,7 +236,7 @@ async def test_reload_marks_a_host_draining_without_a_health_round(
             "hosts": [sim_a, sim_b],
             "draining": [sim_b],
             "zones": {sim_a: "za"},
-            "health": FAST_HEALTH,
+            "health": ROUNDS_HEALTH,
         },
     )
     await fleet.discover()
@@ -250,7 +254,7 @@ async def test_reload_removes_a_host_after_the_next_health_round(
     reloading: tuple[Fleet, Path, list[str]],
 ) -> None:
     fleet, path, (sim_a, _) = reloading
-    write_config(path, {"hosts": [sim_a], "health": FAST_HEALTH})
+    write_config(path, {"hosts": [sim_a], "health": ROUNDS_HEALTH})
     assert await fleet.discover() == frozenset({sim_a})
     await health_rounds(fleet, rounds=1)
     assert addresses_of(published(fleet.store)) == [sim_a]
@@ -258,7 +262,7 @@ async def test_reload_removes_a_host_after_the_next_health_round(
 
 async def test_reload_removes_a_host_at_once(reloading: tuple[Fleet, Path, list[str]]) -> None:
     fleet, path, (sim_a, _) = reloading
-    write_config(path, {"hosts": [sim_a], "health": FAST_HEALTH})
+    write_config(path, {"hosts": [sim_a], "health": ROUNDS_HEALTH})
     await fleet.discover()
     assert addresses_of(published(fleet.store)) == [sim_a]
 
@@ -286,7 +290,7 @@ async def test_invalid_reload_is_rejected_and_the_old_config_stays(
     assert fleet.config is old_config
     assert published(fleet.store) is old_snapshot
     # A later valid edit is applied.
-    write_config(path, {"hosts": sims, "draining": [sims[0]], "health": FAST_HEALTH})
+    write_config(path, {"hosts": sims, "draining": [sims[0]], "health": ROUNDS_HEALTH})
     await fleet.discover()
     assert reloads("applied") == applied + 1
     assert [h.address for h in published(fleet.store).hosts if h.draining] == [sims[0]]
@@ -304,12 +308,12 @@ async def test_an_unexpected_reload_error_keeps_the_old_config_and_the_watch(
 
     # A fault injected where no real input reaches today: any bug in a reload.
     monkeypatch.setattr("extproc.control.fleet.sources_for", broken)
-    write_config(path, {"hosts": sims, "draining": [sims[0]], "health": FAST_HEALTH})
+    write_config(path, {"hosts": sims, "draining": [sims[0]], "health": ROUNDS_HEALTH})
     assert await fleet.discover() == frozenset(sims)
     assert reloads("failed") == failed + 1 and reloads("applied") == applied
     assert fleet.config is old_config and published(fleet.store) is old_snapshot
     monkeypatch.undo()
-    write_config(path, {"hosts": sims, "draining": [sims[1]], "health": FAST_HEALTH})
+    write_config(path, {"hosts": sims, "draining": [sims[1]], "health": ROUNDS_HEALTH})
     await fleet.discover()
     assert reloads("applied") == applied + 1
     assert [h.address for h in published(fleet.store).hosts if h.draining] == [sims[1]]
@@ -345,7 +349,7 @@ async def test_reload_with_a_bad_dns_entry_is_rejected(
     fleet, path, sims = reloading
     old_config = fleet.config
     rejected = reloads("rejected")
-    write_config(path, {"hosts": sims, "dns": ["vllm.internal:http"], "health": FAST_HEALTH})
+    write_config(path, {"hosts": sims, "dns": ["vllm.internal:http"], "health": ROUNDS_HEALTH})
     assert await fleet.discover() == frozenset(sims)
     assert reloads("rejected") == rejected + 1
     assert fleet.config is old_config

@@ -361,6 +361,7 @@ def test_clusters_match_the_generated_bootstraps():
     shipped = generated["clusters"]["vllm"]
     assert vllm["load_balancing_policy"] == shipped["load_balancing_policy"]
     assert vllm["connect_timeout"] == shipped["connect_timeout"]
+    assert vllm["typed_extension_protocol_options"] == shipped["typed_extension_protocol_options"]
     eds = vllm["eds_cluster_config"]["eds_config"]
     assert eds["api_config_source"]["grpc_services"][0]["envoy_grpc"]["cluster_name"] == xds["name"]
     assert (

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.envoy
 
 # Keepalive's bound, plus a ping's jitter and the time to notice.
 FOUND_WITHIN_S = PING_INTERVAL_S + PING_TIMEOUT_S + 5
-# Envoy's health check: every 1 s, 0.5 s timeout, one failure marks a router down.
-HEALTH_CHECK_S = 3
+# Envoy's health check: every 1 s, 1 s timeout, two timeouts in a row mark a router down.
+HEALTH_CHECK_S = 5
 
 
 def summed(stack: LocalStack, replica: int, name: str) -> float:

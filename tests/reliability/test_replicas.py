@@ -52,7 +52,10 @@ def ask_replica(stack: LocalStack, replica: int, body: bytes) -> list[str]:
             request_headers({":method": "POST", "content-type": "application/json"}),
             request_body(body),
         ]
-        responses = list(process(iter(messages), timeout=10))
+        call = process(iter(messages), timeout=10)
+        responses = [next(call), next(call)]
+        # Reset, as Envoy does: the router would send its status only RESET_WAIT_S later.
+        call.cancel()
     answer = ProcessingResponse.FromString(responses[1])
     value = answer.dynamic_metadata.fields[LB_METADATA_NAMESPACE].struct_value
     return value.fields[LB_METADATA_KEY].string_value.split(",")

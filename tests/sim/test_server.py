@@ -415,11 +415,41 @@ async def test_instances_sharing_a_port_keep_independent_caches(
         ("itl_ms", float("nan")),
         ("default_max_tokens", 0),
         ("max_tokens_cap", True),
+        ("keepalive_s", -0.5),
     ],
 )
 def test_options_reject_bad_values_by_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         SimOptions(**{field: value})  # type: ignore[arg-type]
+
+
+async def _idle_until_closed(base: str, wait_s: float) -> bool:
+    """Send one request on a raw connection, then wait idle: True if the server closed it."""
+    host, port = base.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        await writer.drain()
+        assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+        await reader.readuntil(b"\r\n\r\n")  # the rest of the headers (no body)
+        try:
+            return await asyncio.wait_for(reader.read(1), wait_s) == b""
+        except TimeoutError:
+            return False
+    finally:
+        writer.close()
+
+
+async def test_an_idle_connection_is_closed_after_the_keepalive_as_vllm_does(
+    start: Start,
+) -> None:
+    # vLLM closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s): so must the
+    # simulator, or the fleet benchmarks hide the race Envoy's idle_timeout avoids.
+    assert SimOptions().keepalive_s == 5.0
+    async with start(keepalive_s=0.3) as base:
+        assert await _idle_until_closed(base, wait_s=3.0)
+    async with start(keepalive_s=30.0) as base:
+        assert not await _idle_until_closed(base, wait_s=1.0)
 
 
 async def test_serve_needs_an_address() -> None:
