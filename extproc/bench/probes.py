@@ -45,14 +45,18 @@ def series(samples: Samples, name: str) -> int:
     return sum(1 for sample, _ in samples if sample == name)
 
 
-def placement_weights(stack: LocalStack) -> dict[str, float]:
-    """The control plane's placement weights (cache pressure), by host address."""
-    samples = scrape(stack.control_plane_metrics_url)
+def by_host(samples: Samples, name: str) -> dict[str, float]:
+    """``name``'s samples by their ``host`` label."""
     return {
         dict(labels)["host"]: value
-        for (name, labels), value in samples.items()
-        if name == "prefix_router_cp_placement_weight"
+        for (sample, labels), value in samples.items()
+        if sample == name and "host" in dict(labels)
     }
+
+
+def placement_weights(stack: LocalStack) -> dict[str, float]:
+    """The control plane's placement weights (cache pressure), by host address."""
+    return by_host(scrape(stack.control_plane_metrics_url), "prefix_router_cp_placement_weight")
 
 
 def wait_for_idle_pressure(stack: LocalStack, timeout_s: float = 120.0) -> None:

@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import httpx
 import structlog
 
 from extproc.adapter.routing import Router
@@ -31,12 +30,11 @@ from extproc.bench.fleet import open_loop
 from extproc.bench.fleet_lifecycle import Fleet
 from extproc.bench.fleet_options import FleetBenchOptions, default_sim_args, simulator_args
 from extproc.bench.fleet_probes import router_counter
-from extproc.bench.probes import wait_for_idle_pressure
+from extproc.bench.probes import by_host, scrape, wait_for_idle_pressure
 from extproc.bench.workloads import BenchRequest, WorkloadName, WorkloadSpec, generate
 from extproc.config import RouterConfig
 from extproc.picker.decide import Strategy
 from extproc.replay.fleet import addresses as virtual_addresses
-from extproc.stack.local import LocalStack
 
 log = structlog.get_logger("bench")
 
@@ -66,18 +64,6 @@ def quick(options: ShadowOptions) -> ShadowOptions:
     return replace(options, duration_s=15.0, cost_rounds=2, cost_requests=100)
 
 
-def _metric_samples(stack: LocalStack, name: str) -> dict[str, float]:
-    """``name``'s samples on the router, by their host label."""
-    text = httpx.get(stack.router_metrics_url).text
-    found = {}
-    prefix = name + '{host="'
-    for line in text.splitlines():
-        if line.startswith(prefix):
-            labels, value = line.rsplit(" ", 1)
-            found[labels[len(prefix) : labels.index('"', len(prefix))]] = float(value)
-    return found
-
-
 def _shares(counts: dict[str, float], hosts: list[str]) -> dict[str, float]:
     total = sum(counts.values()) or 1.0
     return {h: counts.get(h, 0.0) / total for h in hosts}
@@ -104,7 +90,9 @@ def measure_accuracy(
             prompt = router_counter(stack, "prefix_router_shadow_prompt_bytes_total")
             matched = router_counter(stack, "prefix_router_shadow_matched_bytes_total")
             overflows = router_counter(stack, "prefix_router_shadow_overflows_total")
-            predicted_counts = _metric_samples(stack, "prefix_router_shadow_requests_total")
+            predicted_counts = by_host(
+                scrape(stack.router_metrics_url), "prefix_router_shadow_requests_total"
+            )
             stack.write_router_config(routing_strategy="PREFIX_AWARE")
             stack.restart_routers(1)
             wait_for_idle_pressure(stack)
