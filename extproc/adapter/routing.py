@@ -7,7 +7,6 @@ counts) and records metrics. It knows nothing of gRPC or of Envoy's messages.
 from __future__ import annotations
 
 import asyncio
-import functools
 import random
 import time
 from collections import Counter
@@ -34,7 +33,7 @@ from extproc.picker.affinity import LoadPolicy
 from extproc.picker.blocks import PrefixLookup, PromptBlocks, chain_seed, prompt_blocks
 from extproc.picker.decide import OVERFLOWED, Decision, Outcome, Strategy, decide
 from extproc.picker.hosts import HostSet
-from extproc.picker.keys import KeySource, RoutingKey, extract_key
+from extproc.picker.keys import RoutingKey, extract_key
 from extproc.picker.placement import key_digest
 
 log = structlog.get_logger("router")
@@ -46,6 +45,26 @@ class Placement:
 
     decision: Decision
     lookup: PrefixLookup | None
+
+
+class DeferredChain:
+    """A prompt's block chain, hashed when first asked for, in the thread that asks (the
+    traffic log's writer, shadow mode's worker), and then kept for the other. It holds the
+    key, as the chain itself would; a race between the two threads hashes it twice, alike."""
+
+    __slots__ = ("_block_bytes", "_blocks", "_key")
+
+    def __init__(self, key: RoutingKey, block_bytes: int) -> None:
+        self._key, self._block_bytes = key, block_bytes
+        self._blocks: PromptBlocks | None = None
+
+    def __call__(self) -> PromptBlocks:
+        blocks = self._blocks
+        if blocks is None:
+            key = self._key
+            seed = chain_seed(key.model, key.salt)
+            blocks = self._blocks = prompt_blocks(key.key, self._block_bytes, seed, key.segments)
+        return blocks
 
 
 # A handed-off request whose completion Envoy never logged stops counting after this.
@@ -261,35 +280,35 @@ class Router:
         # goes, once; the fixed-length key is its first prefix_length characters.
         chained = longest or self.traffic_log is not None or shadow is not None
         limit = config.match_depth_chars if chained else config.prefix_length
-        key = extract_key(body, headers, config.key_mode, limit, config.trusted_salt_header)
+        # Read deeper than prefix_length for the chain's sake, the key says where its first
+        # prefix_length characters end.
+        fixed_length = config.prefix_length if chained and not longest else None
+        key = extract_key(
+            body, headers, config.key_mode, limit, config.trusted_salt_header, fixed_length
+        )
         metrics.KEY_SOURCES.labels(key.source.value).inc()
         if key.salt_rejected:
             metrics.SALT_REJECTED.labels(key.salt_rejected.split(" ")[0]).inc()
             log.warning("salt_rejected", source=key.salt_rejected)
-        blocks = None
-        if longest or shadow is not None:
-            blocks = prompt_blocks(
+        # The chain: PREFIX_AWARE matches on it here; where only the traffic log or the
+        # shadow reads it, their own threads hash it (once, for both), off the request path.
+        blocks: PromptBlocks | None = None
+        chain: PromptBlocks | DeferredChain | None = None
+        if longest:
+            blocks = chain = prompt_blocks(
                 key.key, config.block_bytes, chain_seed(key.model, key.salt), key.segments
             )
+        elif chained:
+            chain = DeferredChain(key, config.block_bytes)
         # The fixed-length key's digest: PREFIX_AWARE-fixed places by it, and the traffic log
         # keeps it so that a replay places as the router did.
         digest = None
         if not longest:
-            digest = key_digest(self._fixed_key(key, limit, headers, body), key.salt)
+            fixed_key = key.key if key.fixed_bytes is None else key.key[: key.fixed_bytes]
+            digest = key_digest(fixed_key, key.salt)
         if self.traffic_log is not None:
+            assert chain is not None
             fixed = None if digest is None else (digest, config.prefix_length)
-            # Where nothing here needs the chain, the writer thread hashes it.
-            chain = (
-                blocks
-                if blocks is not None
-                else functools.partial(
-                    prompt_blocks,
-                    key.key,
-                    config.block_bytes,
-                    chain_seed(key.model, key.salt),
-                    key.segments,
-                )
-            )
             self.traffic_log.write(chain, key.model, key.salt, fixed)
         if longest:
             assert blocks is not None
@@ -314,10 +333,10 @@ class Router:
             metrics.OVERFLOWS.labels(decision.strategy.value).inc()
         metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
         if shadow is not None:
-            assert blocks is not None
+            assert chain is not None
             hosts = candidates.serving(key.model)
             weights = self.placement_weights(hosts)
-            shadow.place(id(decision), blocks, hosts, weights, self._clock())
+            shadow.place(id(decision), chain, hosts, weights, self._clock())
         return Placement(decision, lookup)
 
     def served(self, placement: Placement, endpoint: str) -> Decision:
@@ -364,21 +383,6 @@ class Router:
         metrics.DECISIONS.labels(decision.strategy.value, decision.outcome.value).inc()
         metrics.SHED.inc()
         return decision
-
-    def _fixed_key(
-        self, key: RoutingKey, limit: int, headers: Mapping[str, str], body: bytes
-    ) -> bytes:
-        """The first ``prefix_length`` characters (bytes, natively) of the prompt, from
-        ``key``, read ``limit`` deep: cut from it, unless characters and bytes differ in
-        it (message text beyond ASCII), when the prompt is read again to that length."""
-        config = self.config
-        length = config.prefix_length
-        if limit == length:
-            return key.key
-        if key.source is KeySource.OPENAI and not key.key.isascii():
-            mode, salt_header = config.key_mode, config.trusted_salt_header
-            return extract_key(body, headers, mode, length, salt_header).key
-        return key.key[:length]
 
     def _decide_longest(
         self, key: RoutingKey, blocks: PromptBlocks, candidates: HostSet

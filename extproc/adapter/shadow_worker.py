@@ -1,14 +1,15 @@
 """Shadow mode off the request path: a thread that owns the ``Shadow`` and applies, in
 order, what the router tells it (place a request, release it, the fleet changed).
 
-A request only queues what the shadow needs (its block chain, the hosts it could go to,
-the placement weights, the time); the shadow's PREFIX_AWARE placement, which costs as much
-as a PREFIX_AWARE decision, runs in this thread. Everything that changes the shadow goes
-through the one queue, so it sees events in the order the router made them, and only this
-thread touches it. At most ``QUEUE_EVENTS`` requests wait to be placed: beyond that a
-request is left out of the shadow (counted), never delayed. Releases and fleet changes are
-always queued: there are no more releases than requests placed, and fleet changes are
-rare. The metrics read the shadow's counters as they stand.
+A request only queues what the shadow needs (its key, whose block chain this thread
+hashes, the hosts it could go to, the placement weights, the time); the shadow's
+PREFIX_AWARE placement, which costs as much as a PREFIX_AWARE decision, runs in this
+thread. Everything that changes the shadow goes through the one queue, so it sees events
+in the order the router made them, and only this thread touches it. At most
+``QUEUE_EVENTS`` requests wait to be placed: beyond that a request is left out of the
+shadow (counted), never delayed. Releases and fleet changes are always queued: there are
+no more releases than requests placed, and fleet changes are rare. The metrics read the
+shadow's counters as they stand.
 """
 
 from __future__ import annotations
@@ -47,11 +48,13 @@ class ShadowWorker:
     def place(
         self,
         token: int,
-        blocks: PromptBlocks,
+        blocks: PromptBlocks | Callable[[], PromptBlocks],
         hosts: HostSet,
         weights: Mapping[str, float],
         now: float,
     ) -> None:
+        """Queue one request's placement; ``blocks`` may be a callable that hashes the
+        chain, which this worker then calls, off the request path."""
         if not self._room.acquire(blocking=False):
             self.dropped += 1
             metrics.SHADOW_DROPPED.inc()
@@ -97,13 +100,15 @@ class ShadowWorker:
     def _place(
         self,
         token: int,
-        blocks: PromptBlocks,
+        blocks: PromptBlocks | Callable[[], PromptBlocks],
         hosts: HostSet,
         weights: Mapping[str, float],
         now: float,
     ) -> None:
         try:
             with metrics.SHADOW_SECONDS.time():
+                if callable(blocks):
+                    blocks = blocks()
                 self._placed[token] = self.shadow.place(blocks, hosts, weights, now)
         finally:
             self._room.release()

@@ -51,6 +51,10 @@ class RoutingKey:
     # Byte offsets in ``key`` where each chat message ends (ascending); empty for a
     # completions prompt or a raw body, which are one piece.
     segments: tuple[int, ...] = ()
+    # With ``extract_key(..., fixed_length=n)``: the bytes of ``key`` that its first ``n``
+    # characters (bytes, natively) take, so that ``key[:fixed_bytes]`` is the key read
+    # ``n`` deep, without reading the body again; None when not asked for.
+    fixed_bytes: int | None = None
 
 
 def valid_salt(value: object) -> bool:
@@ -150,24 +154,31 @@ def extract_key(
     mode: KeyMode,
     prefix_length: int,
     trusted_salt_header: str | None = None,
+    fixed_length: int | None = None,
 ) -> RoutingKey:
     """Build the routing key for one request.
 
     ``headers`` has lower-case names. ``body`` may be a truncated prefix of the real body.
     With ``trusted_salt_header`` the salt comes from that header alone (set by a trusted
     filter in front of the router); the client's salt headers and body field are ignored.
+    With ``fixed_length`` (at most ``prefix_length``) the key also says where its first
+    ``fixed_length`` characters end (``fixed_bytes``): one read serves a deep key and the
+    fixed-length one.
     """
     if trusted_salt_header is None:
         salt, salt_rejected = _salt_from_headers(headers)
     else:
         salt, salt_rejected = _salt_from_trusted_header(headers, trusted_salt_header)
     native = body[:prefix_length]
+    native_fixed = None if fixed_length is None else min(fixed_length, len(native))
     if mode is KeyMode.NATIVE:
-        return RoutingKey(native, KeySource.NATIVE, salt, None, salt_rejected)
+        return RoutingKey(native, KeySource.NATIVE, salt, None, salt_rejected, (), native_fixed)
 
     encoding = headers.get(ENCODING_HEADER, "identity").strip().lower()
     if encoding not in ("", "identity"):
-        return RoutingKey(native, KeySource.ENCODED_FALLBACK, salt, None, salt_rejected)
+        return RoutingKey(
+            native, KeySource.ENCODED_FALLBACK, salt, None, salt_rejected, (), native_fixed
+        )
 
     try:
         # trailing-strings: the router sees only the first bytes, so the last string is
@@ -177,7 +188,9 @@ def extract_key(
         parsed = None
     pieces = openai_prompt_pieces(parsed, prefix_length)
     if pieces is None:
-        return RoutingKey(native, KeySource.NATIVE_FALLBACK, salt, None, salt_rejected)
+        return RoutingKey(
+            native, KeySource.NATIVE_FALLBACK, salt, None, salt_rejected, (), native_fixed
+        )
 
     assert isinstance(parsed, dict)
     model = parsed.get("model")
@@ -189,13 +202,22 @@ def extract_key(
             salt_rejected = f"body {SALT_BODY_FIELD}"
     text = "".join(pieces)[:prefix_length]
     key = text.encode("utf-8", "surrogatepass")
+    ascii_only = len(key) == len(text)
+    fixed_bytes = None
+    if fixed_length is not None:
+        fixed_bytes = (
+            min(fixed_length, len(key))
+            if ascii_only
+            else len(text[:fixed_length].encode("utf-8", "surrogatepass"))
+        )
     return RoutingKey(
         key,
         KeySource.OPENAI,
         salt,
         model if isinstance(model, str) else None,
         salt_rejected,
-        _segment_ends(pieces, len(text), ascii_only=len(key) == len(text)),
+        _segment_ends(pieces, len(text), ascii_only=ascii_only),
+        fixed_bytes,
     )
 
 

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 
+from extproc.adapter import routing
 from extproc.adapter.routing import Router
+from extproc.adapter.traffic_log import TrafficLog, read_records
 from extproc.config import RouterConfig
 from extproc.control.model import HostLoad
 from extproc.index.shadow import Shadow
@@ -55,6 +58,36 @@ def test_off_by_default_and_costs_nothing():
     assert r.shadow is None
     r.finish(r.route({}, document(1)))
     assert REGISTRY.get_sample_value("prefix_router_shadow_enabled") == 0
+
+
+@pytest.mark.parametrize("with_log", [False, True])
+def test_the_chain_is_hashed_off_the_request_path_and_once(tmp_path, monkeypatch, with_log):
+    # Under a live strategy that needs no chain, the shadow's thread (or the traffic log's
+    # writer) hashes it, once for both; the request only reads the key.
+    hashed_in: list[str] = []
+    hash_chain = routing.prompt_blocks
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        hashed_in.append(threading.current_thread().name)
+        return hash_chain(*args, **kwargs)
+
+    monkeypatch.setattr(routing, "prompt_blocks", spy)
+    log_path = tmp_path / "traffic.log"
+    traffic = TrafficLog(log_path, 1 << 20, 2) if with_log else None
+    r = Router(
+        RouterConfig(hosts=HOSTS, routing_strategy="RANDOM", shadow=True),
+        random.Random(3),
+        clock=Clock(),
+        traffic_log=traffic,
+    )
+    r.finish(r.route({}, document(1)))
+    shadow = shadow_of(r)
+    if traffic is not None:
+        traffic.close()
+        (record,) = read_records(log_path)
+        assert len(record.hashes) > 0
+    assert len(hashed_in) == 1 and hashed_in[0] != threading.current_thread().name
+    assert shadow.prompt_bytes > 0  # the shadow placed it on the chain
 
 
 @pytest.mark.parametrize("live", ["RANDOM", "LEAST_OUTSTANDING_REQUESTS"])

@@ -46,6 +46,24 @@ def test_openai_key_is_the_first_prefix_length_characters_of_message_text():
     assert len(key.key.decode()) == 1024  # characters, not bytes
 
 
+@given(
+    messages,
+    st.integers(min_value=0, max_value=300),
+    st.sampled_from([OPENAI, NATIVE]),
+    st.booleans(),
+)
+def test_a_deep_key_says_where_the_fixed_length_key_ends(msgs, fixed, mode, truncated):
+    # One read serves the chain (read deep) and the fixed-length key: cut where the deep
+    # key says, it is the key read fixed deep, non-ASCII text and cut bodies included.
+    body = json.dumps(chat(msgs), ensure_ascii=False).encode()
+    if truncated:
+        body = body[: len(body) // 2]
+    deep = extract_key(body, {}, mode, 1200, fixed_length=fixed)
+    assert deep.fixed_bytes is not None
+    assert deep.key[: deep.fixed_bytes] == extract_key(body, {}, mode, fixed).key
+    assert extract_key(body, {}, mode, 1200).fixed_bytes is None  # only when asked for
+
+
 def test_openai_key_covers_multipart_content_and_roles():
     msgs = [
         {"role": "system", "content": "S"},

@@ -108,7 +108,8 @@ def test_random_draws_do_not_change_what_is_logged(tmp_path):
 @pytest.mark.parametrize("key_mode", ["openai", "native"])
 def test_the_logged_fixed_key_is_the_one_read_to_prefix_length(tmp_path, key_mode):
     # The router reads the prompt once, as deep as matching goes, and cuts the fixed key
-    # from it; beyond ASCII (characters are not bytes) it reads it again to that length.
+    # from it where the key says its first prefix_length characters end (beyond ASCII,
+    # characters are not bytes).
     bodies = [chat("ascii text " * 900), chat("texte accentué, 漢字 " * 700), chat("short")]
     records = logged(tmp_path, bodies, prefix_length=4096, key_mode=key_mode)
     for body, record in zip(bodies, records, strict=True):
