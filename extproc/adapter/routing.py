@@ -47,6 +47,11 @@ class Placement:
     lookup: PrefixLookup | None
 
 
+def key_chain(key: RoutingKey, block_bytes: int) -> PromptBlocks:
+    """The block chain of a routing key, seeded by its model and salt."""
+    return prompt_blocks(key.key, block_bytes, chain_seed(key.model, key.salt), key.segments)
+
+
 class DeferredChain:
     """A prompt's block chain, hashed when first asked for, in the thread that asks (the
     traffic log's writer, shadow mode's worker), and then kept for the other. It holds the
@@ -59,12 +64,9 @@ class DeferredChain:
         self._blocks: PromptBlocks | None = None
 
     def __call__(self) -> PromptBlocks:
-        blocks = self._blocks
-        if blocks is None:
-            key = self._key
-            seed = chain_seed(key.model, key.salt)
-            blocks = self._blocks = prompt_blocks(key.key, self._block_bytes, seed, key.segments)
-        return blocks
+        if self._blocks is None:
+            self._blocks = key_chain(self._key, self._block_bytes)
+        return self._blocks
 
 
 # A handed-off request whose completion Envoy never logged stops counting after this.
@@ -277,11 +279,10 @@ class Router:
         shadow = self.shadow
         # The prompt's block chain: PREFIX_AWARE matches on it, and the traffic log and the
         # shadow read it under any strategy. Then the prompt is read as deep as matching
-        # goes, once; the fixed-length key is its first prefix_length characters.
+        # goes, once, and the key says where its first prefix_length characters (the
+        # fixed-length key) end.
         chained = longest or self.traffic_log is not None or shadow is not None
         limit = config.match_depth_chars if chained else config.prefix_length
-        # Read deeper than prefix_length for the chain's sake, the key says where its first
-        # prefix_length characters end.
         fixed_length = config.prefix_length if chained and not longest else None
         key = extract_key(
             body, headers, config.key_mode, limit, config.trusted_salt_header, fixed_length
@@ -295,17 +296,14 @@ class Router:
         blocks: PromptBlocks | None = None
         chain: PromptBlocks | DeferredChain | None = None
         if longest:
-            blocks = chain = prompt_blocks(
-                key.key, config.block_bytes, chain_seed(key.model, key.salt), key.segments
-            )
+            blocks = chain = key_chain(key, config.block_bytes)
         elif chained:
             chain = DeferredChain(key, config.block_bytes)
         # The fixed-length key's digest: PREFIX_AWARE-fixed places by it, and the traffic log
         # keeps it so that a replay places as the router did.
         digest = None
         if not longest:
-            fixed_key = key.key if key.fixed_bytes is None else key.key[: key.fixed_bytes]
-            digest = key_digest(fixed_key, key.salt)
+            digest = key_digest(key.key[: key.fixed_bytes], key.salt)  # None: the whole key
         if self.traffic_log is not None:
             assert chain is not None
             fixed = None if digest is None else (digest, config.prefix_length)
