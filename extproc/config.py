@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, Strict, StrictBool, StrictInt, model_validator
 
+from extproc import ports
 from extproc.errors import ConfigError
 from extproc.picker.decide import Strategy
 from extproc.picker.keys import KeyMode
@@ -314,11 +315,13 @@ class RouterConfig(FrozenModel):
     listen: ListenAddress = described(
         "The gRPC (ext_proc) address: ip:port, or a Unix socket (unix:/absolute/path) for "
         "an Envoy on the same machine or in the same pod (a shared volume).",
-        "127.0.0.1:50051",
+        ports.loopback(ports.ROUTER_GRPC),
         allowed="ip:port or unix:/absolute/path",
     )
     metrics_listen: Address = described(
-        "The Prometheus metrics address.", "127.0.0.1:9102", allowed="ip:port"
+        "The Prometheus metrics address.",
+        ports.loopback(ports.ROUTER_METRICS),
+        allowed="ip:port",
     )
     workers: StrictInt = described(
         "Router processes. grpc.aio serves from one core, so a router per core multiplies "

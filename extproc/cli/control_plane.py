@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from extproc import ports
 from extproc.cli.common import Commands, add_host_flag, host_address
 
 
@@ -19,12 +20,12 @@ def register(commands: Commands) -> None:
     parser.add_argument(
         "--listen",
         type=host_address,
-        help="xDS gRPC address, ip:port (default 127.0.0.1:18000)",
+        help=f"xDS gRPC address, ip:port (default {ports.loopback(ports.CONTROL_PLANE_XDS)})",
     )
     parser.add_argument(
         "--metrics-listen",
         type=host_address,
-        help="Prometheus address, ip:port (default 127.0.0.1:9103)",
+        help=f"Prometheus address, ip:port (default {ports.loopback(ports.CONTROL_PLANE_METRICS)})",
     )
     add_host_flag(
         parser,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from extproc import ports
 from extproc.cli.common import Commands, choices, ip_port, router_endpoint, usage_error
 from extproc.stack.bootstrap import BODY_MODES, MODES, BootstrapParams, RouterEndpoint
 from extproc.stack.upstream_tls import UpstreamTls
@@ -65,7 +66,8 @@ def register(commands: Commands) -> None:
         "--control-plane",
         type=ip_port,
         default=None,
-        help="xDS address the backend cluster comes from (default 127.0.0.1:18000); "
+        help="xDS address the backend cluster comes from "
+        f"(default {ports.loopback(ports.CONTROL_PLANE_XDS)}); "
         "override-host mode without --static only",
     )
     parser.add_argument(

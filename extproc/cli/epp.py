@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from extproc import ports
 from extproc.cli.common import (
     Commands,
     add_host_flag,
@@ -72,11 +73,21 @@ def register(commands: Commands) -> None:
         default="0.0.0.0",
         help="the IP the three ports listen on (default 0.0.0.0, for a pod)",
     )
-    parser.add_argument("--grpc-port", type=int, default=9002, help="ext_proc (default 9002)")
     parser.add_argument(
-        "--grpc-health-port", type=int, default=9003, help="gRPC health (default 9003)"
+        "--grpc-port", type=int, default=ports.EPP_GRPC, help="ext_proc (default %(default)s)"
     )
-    parser.add_argument("--metrics-port", type=int, default=9090, help="Prometheus (default 9090)")
+    parser.add_argument(
+        "--grpc-health-port",
+        type=int,
+        default=ports.EPP_HEALTH,
+        help="gRPC health (default %(default)s)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=ports.EPP_METRICS,
+        help="Prometheus (default %(default)s)",
+    )
     parser.add_argument(
         "--secure-serving",
         type=go_bool,

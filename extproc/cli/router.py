@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from extproc import ports
 from extproc.cli.common import (
     Commands,
     add_host_flag,
@@ -21,12 +22,13 @@ def register(commands: Commands) -> None:
     parser.add_argument(
         "--listen",
         type=listen_address,
-        help="gRPC listen address, ip:port or unix:/absolute/path (default 127.0.0.1:50051)",
+        help="gRPC listen address, ip:port or unix:/absolute/path "
+        f"(default {ports.loopback(ports.ROUTER_GRPC)})",
     )
     parser.add_argument(
         "--metrics-listen",
         type=host_address,
-        help="Prometheus address, ip:port (default 127.0.0.1:9102)",
+        help=f"Prometheus address, ip:port (default {ports.loopback(ports.ROUTER_METRICS)})",
     )
     parser.add_argument(
         "--control-plane",

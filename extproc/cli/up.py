@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from extproc import ports
 from extproc.cli.common import (
     Commands,
     add_routing_flags,
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 # default to None and an explicit one beside --backend is refused.
 SIM_DEFAULTS: dict[str, Any] = {
     "backends": 3,
-    "sim_port": 8000,
+    "sim_port": ports.SIM_PORT,
     "sim_ttft_ms": 20.0,
     "sim_itl_ms": 5.0,
 }
@@ -51,15 +52,27 @@ def register(commands: Commands) -> None:
         description="Start, on loopback: simulated vLLM backends (or your --backend URLs), "
         "the router and Envoy, and print the URL. Ctrl-C stops everything.",
     )
-    _address_flag(parser, "--listen", "127.0.0.1:10000", "Envoy's listener")
-    _address_flag(parser, "--admin", "127.0.0.1:9901", "Envoy's admin interface")
-    _address_flag(parser, "--router-listen", "127.0.0.1:50051", "the router's gRPC address")
-    _address_flag(parser, "--router-metrics", "127.0.0.1:9102", "the router's Prometheus endpoint")
-    _address_flag(parser, "--control-plane", "127.0.0.1:18000", "the control plane's xDS address")
+    _address_flag(parser, "--listen", ports.loopback(ports.ENVOY_LISTEN), "Envoy's listener")
+    _address_flag(parser, "--admin", ports.loopback(ports.ENVOY_ADMIN), "Envoy's admin interface")
+    _address_flag(
+        parser, "--router-listen", ports.loopback(ports.ROUTER_GRPC), "the router's gRPC address"
+    )
+    _address_flag(
+        parser,
+        "--router-metrics",
+        ports.loopback(ports.ROUTER_METRICS),
+        "the router's Prometheus endpoint",
+    )
+    _address_flag(
+        parser,
+        "--control-plane",
+        ports.loopback(ports.CONTROL_PLANE_XDS),
+        "the control plane's xDS address",
+    )
     _address_flag(
         parser,
         "--control-plane-metrics",
-        "127.0.0.1:9103",
+        ports.loopback(ports.CONTROL_PLANE_METRICS),
         "the control plane's Prometheus endpoint",
     )
     parser.add_argument(

@@ -20,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from extproc import ports
 from extproc.control.rates import PRESSURE_FACTOR
 from extproc.schema import (
     PEM_FILE,
@@ -98,10 +99,14 @@ class LoadFeedSettings(FrozenModel):
 
 class ControlPlaneConfig(FrozenModel):
     listen: Address = described(
-        "The xDS address (ADS and plain EDS).", "127.0.0.1:18000", allowed="ip:port"
+        "The xDS address (ADS and plain EDS).",
+        ports.loopback(ports.CONTROL_PLANE_XDS),
+        allowed="ip:port",
     )
     metrics_listen: Address = described(
-        "The Prometheus metrics address.", "127.0.0.1:9103", allowed="ip:port"
+        "The Prometheus metrics address.",
+        ports.loopback(ports.CONTROL_PLANE_METRICS),
+        allowed="ip:port",
     )
     cluster: Name = described(
         "The Envoy cluster (and EDS resource) the fleet is published as.",

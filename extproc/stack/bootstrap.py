@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
-from extproc import keepalive
+from extproc import keepalive, ports
 from extproc.adapter.messages import LB_METADATA_KEY, LB_METADATA_NAMESPACE, TARGET_HEADER
 from extproc.stack.upstream_tls import UpstreamTls, transport_socket
 
@@ -47,13 +47,13 @@ _TYPE = "type.googleapis.com/envoy."
 @dataclass(frozen=True)
 class BootstrapParams:
     mode: Mode = "override-host"
-    listen: tuple[str, int] = ("127.0.0.1", 10000)
-    admin: tuple[str, int] = ("127.0.0.1", 9901)
+    listen: tuple[str, int] = (ports.LOOPBACK, ports.ENVOY_LISTEN)
+    admin: tuple[str, int] = (ports.LOOPBACK, ports.ENVOY_ADMIN)
     # One entry per router process (Envoy keeps one HTTP/2 connection per endpoint).
-    routers: tuple[RouterEndpoint, ...] = (("127.0.0.1", 50051),)
+    routers: tuple[RouterEndpoint, ...] = ((ports.LOOPBACK, ports.ROUTER_GRPC),)
     # The control plane's xDS address: the backend cluster then comes from EDS over ADS.
     # None gives a STATIC cluster of ``backends`` instead.
-    control_plane: tuple[str, int] | None = ("127.0.0.1", 18000)
+    control_plane: tuple[str, int] | None = (ports.LOOPBACK, ports.CONTROL_PLANE_XDS)
     backends: tuple[tuple[str, int], ...] = (
         ("127.0.0.11", 8000),
         ("127.0.0.12", 8000),

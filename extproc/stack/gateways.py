@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import yaml
 
+from extproc import ports
 from extproc.adapter import epp
 from extproc.adapter.messages import LB_METADATA_KEY, LB_METADATA_NAMESPACE
 from extproc.adapter.service import SERVICE_NAME
@@ -48,9 +49,9 @@ MESSAGE_TIMEOUT = {"istio": "1000s", "kgateway": "5s", "standalone": "1000s"}
 @dataclass(frozen=True)
 class GatewayParams:
     gateway: Gateway = "istio"
-    listen: tuple[str, int] = ("127.0.0.1", 10000)
-    admin: tuple[str, int] = ("127.0.0.1", 9901)
-    picker: tuple[str, int] = ("127.0.0.1", 9002)
+    listen: tuple[str, int] = (ports.LOOPBACK, ports.ENVOY_LISTEN)
+    admin: tuple[str, int] = (ports.LOOPBACK, ports.ENVOY_ADMIN)
+    picker: tuple[str, int] = (ports.LOOPBACK, ports.EPP_GRPC)
     # The picker serves TLS (its default, with a self-signed certificate; not verified,
     # as every gateway does).
     picker_tls: bool = True

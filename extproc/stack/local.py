@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from extproc import ports
 from extproc.stack.bootstrap import BodyMode, BootstrapParams, Mode, render
 from extproc.stack.processes import (
     ManagedProcess,
@@ -111,7 +112,7 @@ def simulated_backends(count: int, port: int | None = None) -> tuple[tuple[str, 
     """``count`` loopback hosts 127.0.0.11, .12, ... sharing one port number."""
     if not 1 <= count <= 200:
         raise StackError(f"backends must be 1-200, got {count}")
-    hosts = [f"127.0.0.{11 + i}" for i in range(count)]
+    hosts = [ports.sim_host(i) for i in range(count)]
     return tuple((h, port or free_port(h)) for h in hosts)
 
 
@@ -182,18 +183,18 @@ def _knows_a_fleet(metrics_url: str) -> bool:
 @dataclass
 class StackSpec:
     mode: Mode = "override-host"
-    listen: tuple[str, int] = ("127.0.0.1", 10000)
-    admin: tuple[str, int] = ("127.0.0.1", 9901)
-    router: tuple[str, int] = ("127.0.0.1", 50051)
-    router_metrics: tuple[str, int] = ("127.0.0.1", 9102)
+    listen: tuple[str, int] = (ports.LOOPBACK, ports.ENVOY_LISTEN)
+    admin: tuple[str, int] = (ports.LOOPBACK, ports.ENVOY_ADMIN)
+    router: tuple[str, int] = (ports.LOOPBACK, ports.ROUTER_GRPC)
+    router_metrics: tuple[str, int] = (ports.LOOPBACK, ports.ROUTER_METRICS)
     # Simulated backends to start; ignored when ``external_backends`` is set.
     sim_backends: tuple[tuple[str, int], ...] = ()
     external_backends: tuple[tuple[str, int], ...] = ()
     router_settings: dict[str, Any] = field(default_factory=dict)
     # The control plane publishes the fleet to Envoy (EDS) and the router; None gives a
     # static host list in both instead.
-    control_plane: tuple[str, int] | None = ("127.0.0.1", 18000)
-    control_plane_metrics: tuple[str, int] = ("127.0.0.1", 9103)
+    control_plane: tuple[str, int] | None = (ports.LOOPBACK, ports.CONTROL_PLANE_XDS)
+    control_plane_metrics: tuple[str, int] = (ports.LOOPBACK, ports.CONTROL_PLANE_METRICS)
     control_plane_settings: dict[str, Any] = field(default_factory=dict)
     sim_args: tuple[str, ...] = ()
     upstream_host_header: bool = True

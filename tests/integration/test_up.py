@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from extproc import ports
 from extproc.stack.processes import free_port
 
 
@@ -95,3 +96,35 @@ def test_up_serves_with_affinity_and_stops_cleanly(tmp_path):
     assert [pid for pid in children if alive(pid)] == []
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/", timeout=2)
+
+
+def test_up_starts_every_default_port_together_with_two_workers(tmp_path):
+    """No address flag at all: Envoy, two router workers, the control plane and the
+    simulators each bind their default ports (worker 1's metrics port once collided with
+    the control plane's)."""
+    argv = [sys.executable, "-m", "extproc", "up", "--workers", "2"]
+    argv += ["--sim-ttft-ms", "0", "--sim-itl-ms", "0", "--work-dir", str(tmp_path / "stack")]
+    up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        banner = ""
+        while "is up" not in banner and time.monotonic() < deadline:
+            line = up.stdout.readline()
+            assert line, f"prefix-router up exited early: {banner}"
+            banner += line
+        url = f"http://{ports.loopback(ports.ENVOY_LISTEN)}"
+        assert url in banner
+        body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}
+        assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=10).status_code == 200
+        for worker in range(2):
+            metrics = ports.loopback(ports.ROUTER_METRICS + worker)
+            assert "prefix_router_hosts" in httpx.get(f"http://{metrics}/metrics").text
+        control = ports.loopback(ports.CONTROL_PLANE_METRICS)
+        assert httpx.get(f"http://{control}/metrics").status_code == 200
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=30) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        up.stdout.close()

@@ -1,0 +1,76 @@
+"""Every default port of the stack, defined once.
+
+Each process of ``prefix-router up`` (and of the commands it is made of) takes its default
+address from here, so no two defaults can drift into each other: a router with
+``--workers N`` listens on its gRPC and metrics ports + i, and that run of ports must not
+reach another default. (It did: worker 1's metrics port, 9102 + 1, was the control plane's
+9103.) ``tests/test_ports.py`` checks every default and every worker's span against each
+other, and ``tests/integration/test_up.py`` starts them all at once.
+
+The endpoint picker's ports (9002, 9003, 9090) are the Inference Extension's contract, and
+the KV-event ports (5557, 5558) are vLLM's, and the router's gRPC port is gRPC's usual 50051;
+the rest are ours, below the kernel's ephemeral range (32768 and up), where a client's own
+port can never take one first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LOOPBACK = "127.0.0.1"
+# The most router processes one ``--workers`` may start; each takes its own ports.
+MAX_WORKERS = 64
+
+ENVOY_LISTEN = 10000
+ENVOY_ADMIN = 9901
+ROUTER_GRPC = 50051
+ROUTER_METRICS = 9102
+CONTROL_PLANE_XDS = 18000
+CONTROL_PLANE_METRICS = 18001
+EPP_GRPC = 9002
+EPP_HEALTH = 9003
+EPP_METRICS = 9090
+# Simulated backends listen on 127.0.0.11, .12, ... each on this port, and publish their
+# KV events on the next two, as vLLM does (``--kv-events-config`` endpoints).
+SIM_PORT = 8000
+SIM_FIRST_HOST = 11
+KV_EVENTS = 5557
+KV_EVENTS_REPLAY = 5558
+
+
+def loopback(port: int) -> str:
+    """``127.0.0.1:port``: where a default listens."""
+    return f"{LOOPBACK}:{port}"
+
+
+def sim_host(index: int) -> str:
+    """The loopback IP of simulated backend ``index`` (0-based)."""
+    return f"127.0.0.{SIM_FIRST_HOST + index}"
+
+
+@dataclass(frozen=True, slots=True)
+class DefaultPort:
+    """A default port and the process that listens on it."""
+
+    name: str
+    port: int
+    # Router workers take this port + i, for i below the worker count.
+    per_worker: bool = False
+
+    def span(self, workers: int) -> range:
+        """The ports it takes with ``workers`` router processes."""
+        return range(self.port, self.port + (workers if self.per_worker else 1))
+
+
+# The ports on 127.0.0.1 (the simulators' are on addresses of their own).
+DEFAULTS = (
+    DefaultPort("envoy listener", ENVOY_LISTEN),
+    DefaultPort("envoy admin", ENVOY_ADMIN),
+    DefaultPort("router gRPC", ROUTER_GRPC, per_worker=True),
+    DefaultPort("router metrics", ROUTER_METRICS, per_worker=True),
+    DefaultPort("control plane xDS", CONTROL_PLANE_XDS),
+    DefaultPort("control plane metrics", CONTROL_PLANE_METRICS),
+    DefaultPort("endpoint picker gRPC", EPP_GRPC),
+    DefaultPort("endpoint picker health", EPP_HEALTH),
+    DefaultPort("endpoint picker metrics", EPP_METRICS),
+)
