@@ -138,6 +138,36 @@ class RouterConfig(FrozenModel):
         ge=1,
         le=16,
     )
+    kv_events: StrictBool = described(
+        "prefix_match longest: use the engines' own KV-cache events (vLLM's "
+        "--kv-events-config) wherever a host publishes them: the router finds each host's "
+        "publisher at GET /kv_event_sources, subscribes, and reads that host's cache from "
+        "its events, so every router process and replica sees the same caches. Hosts that "
+        "publish nothing, or whose stream is silent, keep the approximate index.",
+        True,
+    )
+    kv_events_speculative_ttl_s: Number = described(
+        "kv_events: how long a decision counts as cached on its host before an event "
+        "confirms it, so a burst of one new prompt does not scatter meanwhile.",
+        10.0,
+        ge=0.5,
+        le=300,
+    )
+    kv_events_silent_after_s: Number = described(
+        "kv_events: a host whose publisher neither sends an event nor answers a replay "
+        "probe for this long falls back to the approximate index until it does.",
+        10.0,
+        ge=1,
+        le=300,
+    )
+    kv_events_tokenizer: AbsolutePath | None = described(
+        "kv_events: a tokenizer.json (or the model directory holding it) to decode the "
+        "engines' token ids with, for engines whose model the router cannot find on "
+        "its own (the path vLLM's /v1/models names, or the Hugging Face cache). null: "
+        "find it.",
+        None,
+        allowed="an absolute path, or null",
+    )
     hot_prefix_factor: Number = described(
         "prefix_match longest: a prefix carried by more than this multiple of one "
         "host's fair share (1/hosts) of recent requests is hot, and is spread over "

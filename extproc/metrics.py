@@ -5,8 +5,9 @@ Every fallback, overflow and protocol error increments one of these.
 
 from __future__ import annotations
 
+from collections import Counter as Counter_
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -127,7 +128,97 @@ class ShadowAndLive(Collector):
             yield CounterMetricFamily(f"prefix_router_shadow_{name}", documentation, value=value)
 
 
+class KvEventsSource(Protocol):
+    """What ``KvEventsCollector`` reads (``adapter/kv_events.KvEventsFeed``)."""
+
+    def states(self) -> Mapping[str, Any]: ...
+
+    def stream_stats(self) -> Mapping[str, Any]: ...
+
+    def mirrors(self) -> Mapping[str, Any]: ...
+
+    def speculation(self) -> Mapping[str, Any]: ...
+
+
+class KvEventsCollector(Collector):
+    """The engines' KV-event streams, read from the feed when scraped.
+
+    ``prefix_router_kv_events_hosts{state}``: hosts by where their view comes from
+    (precise, silent, no_events, no_tokenizer, unmatched).
+    ``prefix_router_kv_events_total{kind}``: over every stream: batches and events
+    received, gaps seen, batches replayed and lost, publisher restarts, caches cleared,
+    silences and undecodable batches. ``prefix_router_kv_events_blocks{host}``: the router
+    blocks each engine holds, as its events say.
+    ``prefix_router_kv_events_speculative_total{result}``: this router's decisions' blocks
+    whose time ran out, confirmed by an event or not.
+    """
+
+    STREAM_KINDS = (
+        "batches",
+        "events",
+        "gaps",
+        "replayed_batches",
+        "lost_batches",
+        "restarts",
+        "clears",
+        "silences",
+        "decode_errors",
+    )
+    STATES = ("precise", "silent", "no_events", "no_tokenizer", "unmatched")
+
+    def __init__(self) -> None:
+        self._feed: KvEventsSource | None = None
+        REGISTRY.register(self)
+
+    def track(self, feed: KvEventsSource) -> None:
+        self._feed = feed
+
+    def describe(self) -> Iterator[Metric]:
+        yield Metric("prefix_router_kv_events_hosts", "", "gauge")
+        yield Metric("prefix_router_kv_events", "", "counter")
+        yield Metric("prefix_router_kv_events_blocks", "", "gauge")
+        yield Metric("prefix_router_kv_events_speculative", "", "counter")
+
+    def collect(self) -> Iterator[Metric]:
+        feed = self._feed
+        hosts = GaugeMetricFamily(
+            "prefix_router_kv_events_hosts",
+            "Hosts by where the index's view of them comes from",
+            labels=["state"],
+        )
+        states = Counter_(str(s) for s in (feed.states().values() if feed else ()))
+        for state in self.STATES:
+            hosts.add_metric([state], states.get(state, 0))
+        yield hosts
+        totals = CounterMetricFamily(
+            "prefix_router_kv_events", "KV-event stream counts, over every host", labels=["kind"]
+        )
+        stats = list(feed.stream_stats().values()) if feed else []
+        for kind in self.STREAM_KINDS:
+            totals.add_metric([kind], sum(getattr(each, kind, 0) for each in stats))
+        yield totals
+        blocks = GaugeMetricFamily(
+            "prefix_router_kv_events_blocks",
+            "Router blocks each engine holds, as its KV events say",
+            labels=["host"],
+        )
+        for host, mirror in feed.mirrors().items() if feed else ():
+            blocks.add_metric([host], len(mirror))
+        yield blocks
+        speculative = CounterMetricFamily(
+            "prefix_router_kv_events_speculative",
+            "Blocks of this router's decisions whose time ran out, by whether an event "
+            "confirmed them",
+            labels=["result"],
+        )
+        views = list(feed.speculation().values()) if feed else []
+        speculative.add_metric(["confirmed"], sum(v.confirmed for v in views))
+        speculative.add_metric(["unconfirmed"], sum(v.unconfirmed for v in views))
+        yield speculative
+
+
 SHADOW = ShadowAndLive()
+KV_EVENTS = KvEventsCollector()
 SHADOW_DROPPED = Counter(
     "prefix_router_shadow_dropped",
     "Requests shadow mode left out because its thread was more than 65,536 events behind",

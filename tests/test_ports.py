@@ -41,11 +41,7 @@ def test_every_process_takes_its_defaults_from_the_table():
 def test_up_with_workers_puts_every_worker_on_a_port_of_its_own():
     stack = LocalStack(stack_spec(parse_args(["up", "--workers", "4"])))
     try:
-        taken = [
-            port
-            for grpc, metrics in stack.router_addresses
-            for port in (grpc[1], metrics[1])
-        ]
+        taken = [port for grpc, metrics in stack.router_addresses for port in (grpc[1], metrics[1])]
         spec = stack.spec
         taken += [spec.listen[1], spec.admin[1]]
         assert spec.control_plane is not None

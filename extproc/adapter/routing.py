@@ -18,6 +18,7 @@ import structlog
 from extproc import metrics
 from extproc.adapter.completions import Completions
 from extproc.adapter.inflight import InFlight
+from extproc.adapter.kv_events import KvEventsFeed
 from extproc.adapter.shadow_worker import ShadowWorker
 from extproc.adapter.traffic_log import TrafficLog
 from extproc.adapter.unseen import UnseenDecisions
@@ -93,7 +94,9 @@ class Router:
         self.unseen = UnseenDecisions(config.load_feed_max_age_s)
         # The same, counted exactly while Envoy's access log reports completions.
         self.completions = Completions(COMPLETION_MAX_AGE_S)
-        self.index = PrefixIndex(index_sizing(config))
+        self.index = PrefixIndex(index_sizing(config), clock)
+        # The engines' KV events, where hosts publish them (set by the server at start).
+        self.kv_events: KvEventsFeed | None = None
         self._evicted_counted = dict(self.index.evicted)
         self.popularity = PrefixPopularity()
         self.prefill = pending_prefill(config)
@@ -138,6 +141,8 @@ class Router:
         if _index_settings(old) != _index_settings(config):
             self.index.clear()
             self.popularity.clear()
+            if self.kv_events is not None:
+                self.kv_events.restart()
             log.info("prefix_index_cleared", reason="index settings changed")
         if pending_prefill_rate(old) != pending_prefill_rate(config):
             self.prefill = pending_prefill(config)
@@ -176,6 +181,8 @@ class Router:
         """Swap in a newly published host set; decisions after this use it."""
         self.hosts = hosts
         self.index.retain(hosts.addresses)
+        if self.kv_events is not None:
+            self.kv_events.set_hosts(hosts.addresses)
         if self.prefill is not None:
             self.prefill.retain(hosts.addresses)
         if self.shadow is not None:

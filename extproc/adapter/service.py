@@ -22,11 +22,12 @@ from extproc import keepalive, metrics, tls
 from extproc.adapter import messages
 from extproc.adapter.access_log import AccessLogSink
 from extproc.adapter.fleet_client import FleetClient, FleetTls
+from extproc.adapter.kv_events import KvEventsFeed
 from extproc.adapter.lag import LoopLag
 from extproc.adapter.phases import RequestStream
 from extproc.adapter.routing import Router
 from extproc.adapter.traffic_log import TrafficLog
-from extproc.config import EventLoop, RouterConfig, StreamEnd, load_config
+from extproc.config import EventLoop, PrefixMatch, RouterConfig, StreamEnd, load_config
 from extproc.errors import ConfigError, StreamAborted
 from extproc.filewatch import FileWatcher
 from extproc.picker.hosts import HostSet
@@ -192,6 +193,10 @@ class ConfigReloader:
         "traffic_log",
         "traffic_log_max_bytes",
         "traffic_log_files",
+        # The event streams are set up at start.
+        "kv_events",
+        "kv_events_silent_after_s",
+        "kv_events_tokenizer",
         # The TLS files are read at start.
         "tls_cert_file",
         "tls_key_file",
@@ -363,6 +368,11 @@ async def serve(
     if config.control_plane is not None:
         client = FleetClient(router, config.control_plane, config.cluster, fleet_tls(config))
         background.append(asyncio.create_task(client.run(stop)))
+    if config.kv_events and config.prefix_match is PrefixMatch.LONGEST:
+        router.kv_events = KvEventsFeed(router.index, config)
+        router.kv_events.set_hosts(router.hosts.addresses)
+        metrics.KV_EVENTS.track(router.kv_events)
+        background.append(asyncio.create_task(router.kv_events.run(stop)))
     if config_path is not None:
         reloader = ConfigReloader(router, config_path, overrides or {})
         background.append(asyncio.create_task(reloader.run(stop)))

@@ -6,7 +6,13 @@ import argparse
 from typing import get_args
 
 from extproc.cli.common import Commands, ip_port, usage_error
-from extproc.sim.options import DEFAULT_CAPACITY_BLOCKS, SimOptions, Timing
+from extproc.sim.options import (
+    DEFAULT_CAPACITY_BLOCKS,
+    KV_EVENTS_PORT,
+    KV_EVENTS_REPLAY_PORT,
+    SimOptions,
+    Timing,
+)
 
 # --timing model's knobs: (flag, type, what it sets); each defaults to SimOptions' field.
 MODEL_FLAGS: tuple[tuple[str, type, str], ...] = (
@@ -90,6 +96,27 @@ def register(commands: Commands) -> None:
         help="seconds an idle client connection stays open, as vLLM's "
         f"VLLM_HTTP_TIMEOUT_KEEP_ALIVE (default {SimOptions.keepalive_s:g})",
     )
+    parser.add_argument(
+        "--kv-events",
+        action=argparse.BooleanOptionalAction,
+        default=SimOptions.kv_events,
+        help="publish KV-cache events as vLLM's --kv-events-config does (ZMQ PUB, msgpack "
+        "batches, topic 'kv'; token ids are code points), bound on each --address's IP "
+        f"(default {'on' if SimOptions.kv_events else 'off'})",
+    )
+    parser.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=SimOptions.kv_events_port,
+        help=f"port of the KV-event PUB socket; 0 picks a free one (default {KV_EVENTS_PORT})",
+    )
+    parser.add_argument(
+        "--kv-events-replay-port",
+        type=int,
+        default=SimOptions.kv_events_replay_port,
+        help="port of the KV-event replay socket; 0 picks a free one "
+        f"(default {KV_EVENTS_REPLAY_PORT})",
+    )
     parser.add_argument("--model", default="sim-model", help="model name served")
     parser.set_defaults(handler=run)
 
@@ -118,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
             capacity_blocks=args.capacity_blocks,
             block_size_tokens=args.block_size,
             keepalive_s=args.keepalive_s,
+            kv_events=args.kv_events,
+            kv_events_port=args.kv_events_port,
+            kv_events_replay_port=args.kv_events_replay_port,
             **given,
         )
     except ValueError as error:

@@ -8,18 +8,25 @@ hosts never exceeds ``max_blocks``: when the engines together hold more, every h
 is scaled down alike. A host that leaves the fleet, restarts or clears its cache loses its
 entries.
 
+A host whose engine publishes KV events has a precise view too (``precise.py``): what its
+events say it holds, plus this router's speculative entries. While its stream is live the
+lookup reads that view for the host instead of the LRU set, which keeps recording all the
+same, so a stream that falls silent falls back to what this router knows.
+
 The decision reads a ``PrefixLookup`` (the matched depth on each host), an immutable value;
-only ``record`` and the fleet changes mutate the index.
+only ``record``, the fleet changes and the event streams mutate the index.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
 from extproc.index.hosts import HostBlocks
+from extproc.index.precise import PreciseHost
 from extproc.picker.blocks import PrefixLookup, PromptBlocks
 
 
@@ -39,9 +46,12 @@ class IndexSizing:
 
 
 class PrefixIndex:
-    def __init__(self, sizing: IndexSizing) -> None:
+    def __init__(self, sizing: IndexSizing, clock: Callable[[], float] = time.monotonic) -> None:
         self.sizing = sizing
+        self._clock = clock
         self._hosts: dict[str, HostBlocks] = {}
+        # Hosts whose engines publish KV events (``precise.py``).
+        self._precise: dict[str, PreciseHost] = {}
         # Engine cache sizes in tokens, as published; absent: unknown.
         self._cache_tokens: dict[str, float] = {}
         # Blocks dropped, by reason: capacity (LRU), host_left, host_reset.
@@ -53,7 +63,15 @@ class PrefixIndex:
         matched = {}
         hashes = blocks.hashes
         if hashes:
+            precise, now = self._precise, 0.0
             for host in hosts:
+                view = precise.get(host) if precise else None
+                if view is not None and view.live:
+                    now = now or self._clock()
+                    depth = view.matched_depth(hashes, now)
+                    if depth:
+                        matched[host] = depth
+                    continue
                 held = self._hosts.get(host)
                 if held is not None:
                     depth = held.matched_depth(hashes)
@@ -73,6 +91,23 @@ class PrefixIndex:
             held = self._hosts[host] = HostBlocks(self._capacity_of(host))
             self.resize()  # a new host's share may shrink the others'
         self.evicted["capacity"] += held.touch(hashes, lookup.depth_on(host))
+        view = self._precise.get(host)
+        if view is not None:
+            now = self._clock()
+            view.expire(now)
+            view.record(hashes, now)
+
+    # --- the precise views (hosts that publish KV events)
+
+    def set_precise(self, host: str, view: PreciseHost | None) -> None:
+        """Read ``view`` for ``host`` from now on (None: its approximate blocks again)."""
+        if view is None:
+            self._precise.pop(host, None)
+        else:
+            self._precise[host] = view
+
+    def precise(self, host: str) -> PreciseHost | None:
+        return self._precise.get(host)
 
     def retain(self, hosts: Iterable[str]) -> None:
         """Forget every host not in ``hosts`` (the newly published fleet)."""
@@ -81,6 +116,8 @@ class PrefixIndex:
             self.evicted["host_left"] += len(self._hosts.pop(host))
         for host in [h for h in self._cache_tokens if h not in keep]:
             del self._cache_tokens[host]
+        for host in [h for h in self._precise if h not in keep]:
+            del self._precise[host]
         self.resize()
 
     def forget(self, host: str) -> None:
@@ -88,6 +125,9 @@ class PrefixIndex:
         held = self._hosts.pop(host, None)
         if held is not None:
             self.evicted["host_reset"] += len(held)
+        view = self._precise.get(host)
+        if view is not None:
+            view.speculative.clear()
 
     def set_cache_sizes(self, tokens: Mapping[str, float]) -> None:
         """Engine cache sizes in tokens (0 or absent: unknown); shrinks hosts as needed."""
@@ -111,6 +151,10 @@ class PrefixIndex:
 
     def capacity_of(self, host: str) -> int:
         return self._capacity_of(host)
+
+    def capacity_tokens(self, host: str) -> float:
+        """The host's KV cache in tokens, as published (or as assumed)."""
+        return self._cache_tokens.get(host, self.sizing.default_host_tokens)
 
     def _engine_blocks(self, host: str) -> int:
         tokens = self._cache_tokens.get(host, self.sizing.default_host_tokens)

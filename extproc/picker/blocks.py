@@ -114,17 +114,26 @@ class PrefixLookup:
         return self.matched.get(host, 0)
 
 
+def chain_hashes(data: bytes, block_bytes: int, seed: int) -> tuple[int, ...]:
+    """The chained hashes of the full blocks of ``data`` from ``seed``; a trailing partial
+    block has none. The one definition of the chain: ``prompt_blocks`` cuts a request's
+    key with it, and ``events.mirror`` an engine's decoded blocks, so the two agree."""
+    hashes = []
+    previous = seed
+    for start in range(0, len(data) - block_bytes + 1, block_bytes):
+        previous = _hash(data[start : start + block_bytes], previous)
+        hashes.append(previous)
+    return tuple(hashes)
+
+
 def prompt_blocks(
     key: bytes, block_bytes: int, seed: int, segments: tuple[int, ...] = ()
 ) -> PromptBlocks:
     """Cut ``key`` into blocks of ``block_bytes`` and chain their hashes from ``seed``."""
-    hashes = []
-    previous = seed
-    for start in range(0, len(key) - block_bytes + 1, block_bytes):
-        previous = _hash(key[start : start + block_bytes], previous)
-        hashes.append(previous)
+    hashes = chain_hashes(key, block_bytes, seed)
+    previous = hashes[-1] if hashes else seed
     whole = _hash(key[len(hashes) * block_bytes :], previous ^ _WHOLE)
-    return PromptBlocks(seed, tuple(hashes), block_bytes, key, segments, whole)
+    return PromptBlocks(seed, hashes, block_bytes, key, segments, whole)
 
 
 def held_depth(held: Container[int], hashes: Sequence[int]) -> int:

@@ -142,6 +142,10 @@ class EngineRequest:
     ready_at: float  # when the front end hands it to the engine
     # Full blocks past the prompt's once the whole output is computed; cached at the end.
     output_hashes: list[int] = field(default_factory=list)
+    # What block_hashes and output_hashes were hashed from (the prompt, then the output but
+    # its last token) and the request's cache_salt: for the cache's listener.
+    text: str = ""
+    salt: str | None = None
     state: RequestState = "arriving"
     hit_tokens: int = 0  # known once admitted
     prefill_left: int = 0
@@ -192,13 +196,23 @@ class Engine:
         """vLLM's kv_cache_usage_perc: cached blocks no request holds count as free."""
         return self.cache.blocks_referenced / self.cache.capacity_blocks
 
-    def submit(self, prompt: str, max_tokens: int, now: float, output: str = "") -> EngineRequest:
-        """Queue a request arriving at `now` that will generate `output`; ValueError if it
-        could never fit the cache."""
+    def submit(
+        self,
+        prompt: str,
+        max_tokens: int,
+        now: float,
+        output: str = "",
+        salt: str | None = None,
+    ) -> EngineRequest:
+        """Queue a request arriving at `now` that will generate `output`, its blocks hashed
+        with `salt` (vLLM's cache_salt); ValueError if it could never fit the cache."""
         _require_count("max_tokens", max_tokens)
         cache = self.cache
         prompt_tokens = cache.query_tokens(prompt)
-        hashes = cache.block_hashes(prompt)
+        text = cache.sequence_text(prompt, output) if output else prompt
+        # The prompt's blocks are the leading ones of the whole sequence's chain.
+        sequence_hashes = cache.block_hashes(text, salt)
+        hashes = sequence_hashes[: len(prompt) // cache.block_chars]
         blocks = -(-(prompt_tokens + max_tokens) // cache.block_size_tokens)
         if blocks > cache.capacity_blocks:
             raise ValueError(
@@ -211,7 +225,9 @@ class Engine:
             block_hashes=hashes,
             private_blocks=blocks - len(hashes),
             ready_at=now + self.config.request_overhead_s,
-            output_hashes=cache.sequence_hashes(prompt, output)[len(hashes) :] if output else [],
+            output_hashes=sequence_hashes[len(hashes) :],
+            text=text,
+            salt=salt,
         )
         self._arriving.append(request)
         return request
@@ -302,7 +318,9 @@ class Engine:
         # vLLM always computes the last prompt token, so a fully cached prompt
         # recomputes its last block.
         hit_blocks = min(cached_blocks, max(0, (request.prompt_tokens - 1) // block))
-        if not self.cache.acquire(request.block_hashes, request.private_blocks):
+        if not self.cache.acquire(
+            request.block_hashes, request.private_blocks, request.text, request.salt
+        ):
             return False
         request.hit_tokens = hit_blocks * block
         request.prefill_left = max(1, request.prompt_tokens - request.hit_tokens)
@@ -316,6 +334,10 @@ class Engine:
             computed = request.prompt_tokens + request.output_tokens - 1
         full = computed // self.cache.block_size_tokens - len(request.block_hashes)
         self.cache.release(
-            request.block_hashes, request.private_blocks, request.output_hashes[: max(0, full)]
+            request.block_hashes,
+            request.private_blocks,
+            request.output_hashes[: max(0, full)],
+            request.text,
+            request.salt,
         )
         request.state = state

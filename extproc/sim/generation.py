@@ -3,12 +3,17 @@
 A handler starts a `Generation`, awaits `next_token()` per streamed token (or `next_token()`
 then `rest()` for a whole response), reads `cached` once the first token is out, and always
 calls `close()`, which also runs when a client abort cancels the handler.
+
+`end_step`, called where an engine step ends (each step of the engine model; a request's
+start and its end under fixed timing), is where the instance publishes the KV-cache events
+the step recorded (events.py); a no-op without events.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from typing import Protocol
 
 import structlog
@@ -18,6 +23,10 @@ from extproc.sim.engine import Engine, EngineRequest
 from extproc.sim.metrics import SimMetrics
 
 log = structlog.get_logger(__name__)
+
+
+def _no_step_end() -> None:
+    pass
 
 
 class Generation(Protocol):
@@ -57,6 +66,8 @@ class FixedGeneration:
         ttft_s: float,
         itl_s: float,
         output: str = "",
+        salt: str | None = None,
+        end_step: Callable[[], None] = _no_step_end,
     ) -> None:
         self._metrics = metrics
         self._left = max_tokens
@@ -64,11 +75,14 @@ class FixedGeneration:
         self._ttft_s = ttft_s
         self._itl_s = itl_s
         metrics.request_started()
-        self.cached = cache.lookup_and_insert(prompt)
+        self.cached = cache.lookup_and_insert(prompt, salt)
+        end_step()
         metrics.prompt_processed(self.cached)
         self._cache = cache
         self._prompt = prompt
         self._output = output
+        self._salt = salt
+        self._end_step = end_step
 
     async def next_token(self) -> None:
         await _pause(self._itl_s if self._started else self._ttft_s)
@@ -86,7 +100,8 @@ class FixedGeneration:
         # What was generated stays cached, as in vLLM: all of it once the request is done.
         done = len(self._output) if self._left == 0 else 0
         if done:
-            self._cache.insert_output(self._prompt, self._output[:done])
+            self._cache.insert_output(self._prompt, self._output[:done], self._salt)
+            self._end_step()
         self._metrics.request_ended()
 
 
@@ -121,18 +136,23 @@ class ModelledGeneration:
 class EngineDriver:
     """Runs one instance's engine in real time: one step loop, tokens to waiting handlers."""
 
-    def __init__(self, engine: Engine, metrics: SimMetrics) -> None:
+    def __init__(
+        self, engine: Engine, metrics: SimMetrics, end_step: Callable[[], None] = _no_step_end
+    ) -> None:
         self.engine = engine
         self._metrics = metrics
+        self._end_step = end_step
         self._generations: dict[EngineRequest, ModelledGeneration] = {}
         self._wakeup = asyncio.Event()
         metrics.follow_engine(lambda: engine.num_running, lambda: engine.num_waiting)
 
-    def start(self, prompt: str, max_tokens: int, output: str = "") -> ModelledGeneration:
+    def start(
+        self, prompt: str, max_tokens: int, output: str = "", salt: str | None = None
+    ) -> ModelledGeneration:
         """Submit a request now that will generate ``output``; ValueError when it could never
         fit the KV cache."""
         now = asyncio.get_running_loop().time()
-        request = self.engine.submit(prompt, max_tokens, now, output)
+        request = self.engine.submit(prompt, max_tokens, now, output, salt)
         generation = ModelledGeneration(self, request)
         self._generations[request] = generation
         self._wakeup.set()
@@ -152,6 +172,8 @@ class EngineDriver:
         while True:  # one engine step, or one idle wait, per pass
             batch = self.engine.schedule(clock)
             if batch is None:
+                # What aborts changed since the last step goes out before the engine idles.
+                self._end_step()
                 await self._idle(loop)
                 clock = loop.time()
                 continue
@@ -159,6 +181,7 @@ class EngineDriver:
                 self._metrics.prompt_processed(_cached(request))
             await asyncio.sleep(max(0.0, batch.ends_at - loop.time()))
             emitted = self.engine.complete(batch)
+            self._end_step()
             self._metrics.tokens_generated(len(emitted))
             for request in emitted:
                 generation = self._generations.get(request)

@@ -14,6 +14,9 @@ VLLM_KEEPALIVE_S = 5.0
 # KV capacity when none is given: fixed timing keeps its historical size; the engine model
 # holds about 20 8k-token prompts (see engine.py).
 DEFAULT_CAPACITY_BLOCKS: dict[str, int] = {"fixed": 4096, "model": 10_000}
+# vLLM's KV-event ports as this project runs vLLM (FIELD-NOTES: tcp://*:5557, replay 5558).
+KV_EVENTS_PORT = 5557
+KV_EVENTS_REPLAY_PORT = 5558
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,12 @@ class SimOptions:
     timing "fixed" (the default) waits ttft_ms for the first token and itl_ms for each
     further one, whatever the load. timing "model" runs the engine model of engine.py,
     whose knobs are the fields from prefill_ms_per_token on; time_scale applies to both.
+
+    kv_events publishes the cache's changes as vLLM's KV-cache events (see events.py) on
+    kv_events_port, with replay on kv_events_replay_port, bound on each instance's own IP;
+    0 picks a free port. Off by default: two simulators on one IP would both want the
+    fixed ports, as two vLLMs on one host would (and the stacks, tests and compose file
+    put several simulators on one IP).
     """
 
     model: str = "sim-model"
@@ -44,6 +53,9 @@ class SimOptions:
     max_num_seqs: int = EngineConfig.max_num_seqs
     # Seconds an idle client connection stays open, as vLLM's keep-alive.
     keepalive_s: float = VLLM_KEEPALIVE_S
+    kv_events: bool = False
+    kv_events_port: int = KV_EVENTS_PORT
+    kv_events_replay_port: int = KV_EVENTS_REPLAY_PORT
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -68,6 +80,17 @@ class SimOptions:
             valid = isinstance(value, int | float) and not isinstance(value, bool)
             if not valid or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not isinstance(self.kv_events, bool):
+            raise ValueError(f"kv_events must be true or false, got {self.kv_events!r}")
+        for name in ("kv_events_port", "kv_events_replay_port"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+                raise ValueError(f"{name} must be an integer from 0 to 65535, got {value!r}")
+        if self.kv_events_port and self.kv_events_port == self.kv_events_replay_port:
+            raise ValueError(
+                f"kv_events_port and kv_events_replay_port must differ, both are "
+                f"{self.kv_events_port}"
+            )
         if self.timing == "model" and (self.ttft_ms or self.itl_ms):
             raise ValueError("ttft_ms and itl_ms apply to timing 'fixed' only")
         self.engine_config()  # validates the model's knobs, by name

@@ -8,6 +8,10 @@ from typing import Any
 
 from extproc.sim.prompt import PromptKind, prompt_text
 
+# vLLM's limits on cache_salt (vllm/entrypoints/generate/base/protocol.py).
+_CACHE_SALT_MAX_CHARS = 128
+_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
 
 @dataclass(frozen=True)
 class CompletionRequest:
@@ -15,6 +19,8 @@ class CompletionRequest:
     max_tokens: int
     stream: bool
     include_usage: bool
+    # vLLM's cache_salt: requests share cached blocks only when their salts match.
+    cache_salt: str | None = None
 
 
 def parse_request(
@@ -32,6 +38,7 @@ def parse_request(
         max_tokens=min(_max_tokens(body, default_max_tokens), max_tokens_cap),
         stream=stream,
         include_usage=include_usage,
+        cache_salt=_cache_salt(body.get("cache_salt")),
     )
 
 
@@ -63,6 +70,20 @@ def _optional_bool(body: dict[str, Any], key: str, prefix: str = "") -> bool:
         return False
     if not isinstance(value, bool):
         raise ValueError(f"'{prefix}{key}' must be a boolean")
+    return value
+
+
+def _cache_salt(value: object) -> str | None:
+    """vLLM's validate_cache_salt, with its messages."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
+    if len(value) > _CACHE_SALT_MAX_CHARS or not _CACHE_SALT_FORBIDDEN.isdisjoint(value):
+        raise ValueError(
+            "Parameter 'cache_salt' must be at most 128 characters and must "
+            "not contain '@', '/', '\\\\', or NUL."
+        )
     return value
 
 

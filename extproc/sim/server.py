@@ -18,6 +18,7 @@ from prometheus_client.exposition import choose_encoder
 
 from extproc.sim.cache import PrefixCache
 from extproc.sim.engine import Engine
+from extproc.sim.events import EventStream
 from extproc.sim.generation import (
     EngineDriver,
     FixedGeneration,
@@ -69,12 +70,17 @@ def _bad_request(message: str) -> web.Response:
 class _Instance:
     """State and handlers of one simulated vLLM instance."""
 
-    def __init__(self, name: str, options: SimOptions) -> None:
+    def __init__(self, name: str, options: SimOptions, events: EventStream | None = None) -> None:
         self.name = name
         self.options = options
+        self.events = events
+        self.end_step = events.end_step if events is not None else _no_events
         assert options.capacity_blocks is not None  # resolved by SimOptions
         self.cache = PrefixCache(
-            options.capacity_blocks, options.block_size_tokens, options.chars_per_token
+            options.capacity_blocks,
+            options.block_size_tokens,
+            options.chars_per_token,
+            listener=events.recorder if events is not None else None,
         )
         self.driver: EngineDriver | None = None
         if options.timing == "model":
@@ -82,7 +88,7 @@ class _Instance:
             self.metrics = SimMetrics(
                 options.model, engine.kv_usage, options.capacity_blocks, options.block_size_tokens
             )
-            self.driver = EngineDriver(engine, self.metrics)
+            self.driver = EngineDriver(engine, self.metrics, self.end_step)
         else:
             # Without requests that hold blocks, every cached block counts as used.
             self.metrics = SimMetrics(
@@ -160,7 +166,7 @@ class _Instance:
     def _start(self, parsed: CompletionRequest) -> Generation:
         output = reply_text(parsed.max_tokens, self.options.chars_per_token)
         if self.driver is not None:
-            return self.driver.start(parsed.prompt, parsed.max_tokens, output)
+            return self.driver.start(parsed.prompt, parsed.max_tokens, output, parsed.cache_salt)
         return FixedGeneration(
             self.cache,
             self.metrics,
@@ -169,6 +175,8 @@ class _Instance:
             ttft_s=self.options.scaled_s(self.options.ttft_ms),
             itl_s=self.options.scaled_s(self.options.itl_ms),
             output=output,
+            salt=parsed.cache_salt,
+            end_step=self.end_step,
         )
 
     def _first_token_out(self, arrived: float) -> None:
@@ -225,7 +233,10 @@ class _Instance:
         return response
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
-        """vLLM's dev-mode endpoint: forget every cached block no running request holds."""
+        """vLLM's dev-mode endpoint: forget every cached block no running request holds.
+
+        Its KV event goes out with the next engine step's, as in vLLM, whose engine core
+        publishes events only at the end of a step."""
         dropped = self.cache.clear_unreferenced()
         log.info("sim.prefix_cache_reset", instance=self.name, blocks=dropped)
         return web.Response(status=200)
@@ -247,6 +258,12 @@ class _Instance:
         log.info("sim.time_scale", instance=self.name, time_scale=options.time_scale)
         return _json_response({"time_scale": options.time_scale})
 
+    async def kv_event_sources(self, request: web.Request) -> web.Response:
+        """vLLM's KV-event publisher config per data-parallel rank; {} without events."""
+        if self.events is None:
+            return _json_response({})
+        return _json_response({"0": self.events.source()})
+
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
 
@@ -267,9 +284,14 @@ class _Instance:
         return response
 
 
-def build_app(name: str, options: SimOptions) -> web.Application:
-    """The aiohttp app of one simulated instance; `name` goes into x-served-by."""
-    instance = _Instance(name, options)
+def _no_events() -> None:
+    pass
+
+
+def build_app(name: str, options: SimOptions, events: EventStream | None = None) -> web.Application:
+    """The aiohttp app of one simulated instance; `name` goes into x-served-by. `events`,
+    if given, hears its cache (the caller closes it)."""
+    instance = _Instance(name, options, events)
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[instance.read_post_body])
     app.on_response_prepare.append(instance.stamp_headers)
     app.cleanup_ctx.append(instance.run_engine)
@@ -280,6 +302,7 @@ def build_app(name: str, options: SimOptions) -> web.Application:
     app.router.add_get("/health", instance.health)
     app.router.add_get("/v1/models", instance.models)
     app.router.add_get("/metrics", instance.prometheus)
+    app.router.add_get("/kv_event_sources", instance.kv_event_sources)
     return app
 
 
@@ -292,11 +315,21 @@ async def serve(
     if not addresses:
         raise ValueError("addresses must name at least one (host, port)")
     runners: list[web.AppRunner] = []
+    streams: list[EventStream] = []
     try:
         for host, port in addresses:
             name = f"{host}:{port}"
+            events = None
+            if options.kv_events:
+                events = EventStream(
+                    host,
+                    options.kv_events_port,
+                    options.kv_events_replay_port,
+                    options.block_size_tokens * options.chars_per_token,
+                )
+                streams.append(events)
             runner = web.AppRunner(
-                build_app(name, options),
+                build_app(name, options, events),
                 # Cancel the handler when its client goes away, as vLLM aborts.
                 handler_cancellation=True,
                 # Hash the bytes as sent: never inflate a gzip body before the digest.
@@ -308,13 +341,22 @@ async def serve(
             runners.append(runner)
             await runner.setup()
             await web.TCPSite(runner, host, port).start()
-            log.info("sim.listening", address=name, model=options.model, timing=options.timing)
+            log.info(
+                "sim.listening",
+                address=name,
+                model=options.model,
+                timing=options.timing,
+                kv_events=events.endpoint if events is not None else None,
+            )
         if ready is not None:
             ready.set()
         await asyncio.Future()  # until cancelled
     finally:
         for runner in reversed(runners):
             await runner.cleanup()
+        # After the apps: their engines may record a last step while shutting down.
+        for stream in streams:
+            stream.close()
 
 
 async def _serve_until_signalled(addresses: list[tuple[str, int]], options: SimOptions) -> None:

@@ -197,6 +197,10 @@ class StackSpec:
     control_plane_metrics: tuple[str, int] = (ports.LOOPBACK, ports.CONTROL_PLANE_METRICS)
     control_plane_settings: dict[str, Any] = field(default_factory=dict)
     sim_args: tuple[str, ...] = ()
+    # Simulators publish KV events as vLLM does, each on its own IP: on vLLM's ports, or on
+    # free ones (``sim_kv_events_ports`` 0, for stacks that run beside others).
+    sim_kv_events: bool = True
+    sim_kv_events_ports: tuple[int, int] = (ports.KV_EVENTS, ports.KV_EVENTS_REPLAY)
     upstream_host_header: bool = True
     buffer_limit_bytes: int = BootstrapParams.buffer_limit_bytes
     body_mode: BodyMode = BootstrapParams.body_mode
@@ -230,6 +234,7 @@ class StackSpec:
             control_plane=("127.0.0.1", xds),
             control_plane_metrics=("127.0.0.1", xds_metrics),
             sim_backends=simulated_backends(backends) if backends else (),
+            sim_kv_events_ports=(0, 0),
         )
         return replace(spec, **overrides)
 
@@ -302,9 +307,14 @@ class LocalStack:
     def launch_sim(self, host: str, port: int) -> ManagedProcess:
         """Start one simulator (not waiting for it); it joins ``self.sims``."""
         name = f"sim-{host}-{port}"
+        events: tuple[str, ...] = ()
+        if self.spec.sim_kv_events:
+            publish, replay = self.spec.sim_kv_events_ports
+            events = ("--kv-events", "--kv-events-port", str(publish))
+            events += ("--kv-events-replay-port", str(replay))
         sim = ManagedProcess(
             name,
-            self._python("sim", "--address", f"{host}:{port}", *self.spec.sim_args),
+            self._python("sim", "--address", f"{host}:{port}", *events, *self.spec.sim_args),
             self.work_dir / f"{name}.log",
         ).start()
         self.sims.append(sim)

@@ -56,8 +56,19 @@ def test_accepts_utf8_text_and_json_escapes() -> None:
             "'stream_options.include_usage' must be a boolean",
         ),
         (b'{"prompt": 3}', "'prompt' must be"),
+        # vLLM's checks on cache_salt, with its messages.
+        (b'{"prompt": "x", "cache_salt": ""}', "'cache_salt' must be a non-empty string"),
+        (b'{"prompt": "x", "cache_salt": 7}', "'cache_salt' must be a non-empty string"),
+        (b'{"prompt": "x", "cache_salt": "a/b"}', "'cache_salt' must be at most 128"),
+        (b'{"prompt": "x", "cache_salt": "' + b"s" * 129 + b'"}', "at most 128 characters"),
     ],
 )
 def test_bad_bodies_raise_value_error(raw: bytes, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse(raw)
+
+
+def test_cache_salt_is_carried() -> None:
+    assert parse({"prompt": "x", "cache_salt": "tenant-1"}).cache_salt == "tenant-1"
+    assert parse({"prompt": "x", "cache_salt": None}).cache_salt is None
+    assert parse({"prompt": "x"}).cache_salt is None

@@ -57,12 +57,28 @@ def test_model_flags_reach_the_options(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parsed_options(monkeypatch, "--timing", "model") == SimOptions(timing="model")
 
 
+def test_kv_event_flags_reach_the_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    defaults = parsed_options(monkeypatch)
+    assert (defaults.kv_events, defaults.kv_events_port, defaults.kv_events_replay_port) == (
+        False,
+        5557,
+        5558,
+    )
+    options = parsed_options(
+        monkeypatch, "--kv-events", "--kv-events-port", "0", "--kv-events-replay-port", "7000"
+    )
+    assert options == SimOptions(kv_events=True, kv_events_port=0, kv_events_replay_port=7000)
+    assert parsed_options(monkeypatch, "--kv-events", "--no-kv-events").kv_events is False
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
         (("--timing", "model", "--ttft-ms", "5"), "--ttft-ms applies to --timing fixed"),
         (("--max-num-seqs", "4"), "--max-num-seqs applies to --timing model"),
         (("--timing", "model", "--time-scale", "-1"), "time_scale"),
+        (("--kv-events-port", "70000"), "kv_events_port must be an integer from 0 to 65535"),
+        (("--kv-events-replay-port", "5557"), "must differ"),
     ],
 )
 def test_bad_flag_combinations_exit_2(

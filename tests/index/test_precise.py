@@ -1,0 +1,112 @@
+"""The precise view of a host: its engine's confirmed blocks, this router's speculative ones
+with their time to live, and the index reading it while the host's stream is live."""
+
+from __future__ import annotations
+
+from extproc.index.precise import PreciseHost, SpeculativeBlocks
+from extproc.index.prefix import IndexSizing, PrefixIndex
+from extproc.picker.blocks import prompt_blocks
+
+A, B = "127.0.0.1:8000", "127.0.0.2:8000"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def doc(n: int, blocks: int = 8):
+    return prompt_blocks(bytes([65 + n]) * 64 * blocks + b"tail", 64, 0)
+
+
+def index_with_views(clock: Clock, ttl_s: float = 5.0):
+    index = PrefixIndex(IndexSizing(64, 10_000, 16 * 1000, 4), clock)
+    views = {}
+    for host in (A, B):
+        views[host] = PreciseHost(set(), SpeculativeBlocks(ttl_s, 1000))
+        index.set_precise(host, views[host])
+    return index, views
+
+
+def test_a_decision_counts_on_its_host_at_once_and_until_its_ttl():
+    clock = Clock()
+    index, _ = index_with_views(clock)
+    prompt = doc(0)
+    index.record(A, index.lookup(prompt, [A, B]))
+    assert dict(index.lookup(prompt, [A, B]).matched) == {A: 8}
+    clock.now += 4.9
+    assert dict(index.lookup(prompt, [A, B]).matched) == {A: 8}
+    clock.now += 0.2
+    assert dict(index.lookup(prompt, [A, B]).matched) == {}
+
+
+def test_confirmed_blocks_outlive_the_ttl_and_are_counted_as_confirmed():
+    clock = Clock()
+    index, views = index_with_views(clock)
+    prompt = doc(1)
+    index.record(A, index.lookup(prompt, [A, B]))
+    # The engine stored the first 6 blocks (the rest were a partial engine block).
+    views[A].confirmed.update(prompt.hashes[:6])  # type: ignore[attr-defined]
+    clock.now += 60
+    assert dict(index.lookup(prompt, [A, B]).matched) == {A: 6}
+    index.record(B, index.lookup(doc(2), [A, B]))  # any later record expires A's lazily
+    index.record(A, index.lookup(doc(3), [A, B]))
+    assert (views[A].stats.confirmed, views[A].stats.unconfirmed) == (6, 2)
+
+
+def test_what_another_router_sent_is_seen_through_the_events_alone():
+    # Two routers, one engine: the second knows the first's prompt only once the
+    # engine's events confirm it, and then exactly as far as the engine holds it.
+    clock = Clock()
+    engine: set[int] = set()
+    first, second = (PrefixIndex(IndexSizing(64, 10_000, 16 * 1000, 4), clock) for _ in range(2))
+    for index in (first, second):
+        index.set_precise(A, PreciseHost(engine, SpeculativeBlocks(5.0, 1000)))
+    prompt = doc(4)
+    first.record(A, first.lookup(prompt, [A, B]))
+    assert dict(second.lookup(prompt, [A, B]).matched) == {}
+    engine.update(prompt.hashes[:7])
+    assert dict(second.lookup(prompt, [A, B]).matched) == {A: 7}
+
+
+def test_a_gap_in_what_the_engine_holds_ends_the_match():
+    clock = Clock()
+    index, views = index_with_views(clock)
+    prompt = doc(5)
+    held = set(prompt.hashes)
+    held.discard(prompt.hashes[3])  # evicted out of prefix order
+    views[A].confirmed = held
+    assert dict(index.lookup(prompt, [A, B]).matched) == {A: 3}
+
+
+def test_a_silent_host_falls_back_to_what_this_router_recorded():
+    clock = Clock()
+    index, views = index_with_views(clock, ttl_s=1.0)
+    prompt = doc(6)
+    index.record(A, index.lookup(prompt, [A, B]))
+    clock.now += 30  # long past the TTL, never confirmed
+    assert dict(index.lookup(prompt, [A, B]).matched) == {}
+    views[A].live = False
+    assert dict(index.lookup(prompt, [A, B]).matched) == {A: 8}
+
+
+def test_a_restarted_host_loses_its_speculative_blocks_and_a_gone_host_its_view():
+    clock = Clock()
+    index, views = index_with_views(clock)
+    prompt = doc(7)
+    index.record(A, index.lookup(prompt, [A, B]))
+    index.forget(A)
+    assert len(views[A].speculative) == 0
+    index.retain([B])
+    assert index.precise(A) is None and index.precise(B) is views[B]
+
+
+def test_speculative_blocks_are_bounded():
+    blocks = SpeculativeBlocks(ttl_s=10.0, max_blocks=5)
+    blocks.record(list(range(20)), now=0.0)
+    assert len(blocks) == 5
+    assert all(blocks.held(b, 1.0) for b in range(15, 20))
+    assert blocks.expire(10.0) == list(range(15, 20))
