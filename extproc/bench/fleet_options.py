@@ -74,7 +74,9 @@ def default_sim_args(workload: str) -> tuple[str, ...]:
 
 def simulator_args(options: FleetBenchOptions) -> list[str]:
     """What every simulator runs with: ``prefix-router sim`` these, plus its addresses."""
-    return ["--timing", "model", "--time-scale", str(options.time_scale), *options.sim_args]
+    # Each simulator publishes vLLM's KV events on vLLM's ports of its own address.
+    timing = ["--timing", "model", "--time-scale", str(options.time_scale)]
+    return [*timing, "--kv-events", *options.sim_args]
 
 
 def stack_router_settings(options: FleetBenchOptions) -> dict[str, Any]:

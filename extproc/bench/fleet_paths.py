@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from extproc.bench.probes import wait_for_precise
 from extproc.stack.bootstrap import BodyMode
 from extproc.stack.processes import ManagedProcess, free_ports, wait_until
 
@@ -24,6 +25,20 @@ NO_OVERFLOW = "PREFIX_AWARE-no-overflow"
 FIXED = "PREFIX_AWARE-fixed"
 # The default, with two router replicas that Envoy spreads the ext_proc streams over.
 TWO_REPLICAS = "PREFIX_AWARE-two-replicas"
+FOUR_REPLICAS = "PREFIX_AWARE-four-replicas"
+# The same without the engines' KV events: each replica knows only its own decisions.
+APPROXIMATE = "PREFIX_AWARE-approximate"
+TWO_REPLICAS_APPROXIMATE = "PREFIX_AWARE-two-replicas-approximate"
+FOUR_REPLICAS_APPROXIMATE = "PREFIX_AWARE-four-replicas-approximate"
+# The replica comparison (``bench replicas``): 1, 2 and 4 replicas, with events and without.
+REPLICA_PATHS = (
+    "PREFIX_AWARE",
+    TWO_REPLICAS,
+    FOUR_REPLICAS,
+    APPROXIMATE,
+    TWO_REPLICAS_APPROXIMATE,
+    FOUR_REPLICAS_APPROXIMATE,
+)
 # The default behind an Envoy that streams the body: one answer, a stream that ends with
 # the decision, and in-flight counts from Envoy's access log. The hot spot compares it.
 STREAMED = "PREFIX_AWARE-streamed"
@@ -31,6 +46,10 @@ OUR_PATHS: dict[str, dict[str, Any]] = {
     **{strategy: {"routing_strategy": strategy} for strategy in OUR_STRATEGIES},
     FIXED: {"routing_strategy": "PREFIX_AWARE", "prefix_match": "fixed"},
     TWO_REPLICAS: {"routing_strategy": "PREFIX_AWARE"},
+    FOUR_REPLICAS: {"routing_strategy": "PREFIX_AWARE"},
+    APPROXIMATE: {"routing_strategy": "PREFIX_AWARE", "kv_events": False},
+    TWO_REPLICAS_APPROXIMATE: {"routing_strategy": "PREFIX_AWARE", "kv_events": False},
+    FOUR_REPLICAS_APPROXIMATE: {"routing_strategy": "PREFIX_AWARE", "kv_events": False},
     STREAMED: {"routing_strategy": "PREFIX_AWARE"},
     NO_OVERFLOW: {
         "routing_strategy": "PREFIX_AWARE",
@@ -38,7 +57,12 @@ OUR_PATHS: dict[str, dict[str, Any]] = {
         "balance_factor": None,
     },
 }
-REPLICAS = {TWO_REPLICAS: 2}
+REPLICAS = {
+    TWO_REPLICAS: 2,
+    FOUR_REPLICAS: 4,
+    TWO_REPLICAS_APPROXIMATE: 2,
+    FOUR_REPLICAS_APPROXIMATE: 4,
+}
 # Paths behind their own Envoy, with this body mode (the rest: the stack's, buffered).
 BODY_MODES: dict[str, BodyMode] = {STREAMED: "streamed"}
 RING_HASH = "envoy-ring-hash"
@@ -101,7 +125,10 @@ def path_url(fleet: Fleet, path: str) -> str | None:
     assert stack is not None
     if path in OUR_PATHS:
         stack.write_router_config(**OUR_PATHS[path])
-        stack.restart_routers(REPLICAS.get(path, 1))
+        replicas = REPLICAS.get(path, 1)
+        stack.restart_routers(replicas)
+        if OUR_PATHS[path].get("kv_events", True):
+            wait_for_precise(stack, replicas, len(fleet.addresses))
         if path in BODY_MODES:
             url, admin_url = fleet.body_mode_urls[BODY_MODES[path]]
             stack.open_completion_logs(url=url, admin_url=admin_url)

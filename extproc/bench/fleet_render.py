@@ -12,7 +12,16 @@ from pathlib import Path
 from typing import Any
 
 from extproc.bench import ceiling, report
-from extproc.bench.fleet_paths import NO_OVERFLOW, STREAMED, TWO_REPLICAS
+from extproc.bench.fleet_paths import (
+    APPROXIMATE,
+    FOUR_REPLICAS,
+    FOUR_REPLICAS_APPROXIMATE,
+    NO_OVERFLOW,
+    REPLICA_PATHS,
+    STREAMED,
+    TWO_REPLICAS,
+    TWO_REPLICAS_APPROXIMATE,
+)
 from extproc.bench.fleet_results import PathResult, path_result
 from extproc.bench.workloads import WorkloadSpec, describe
 
@@ -151,6 +160,8 @@ render = render_report  # the name extproc.bench.report's registry of renderers 
 
 def _replicas_section(document: Document, results: list[PathResult]) -> str:
     ran = _ran(results)
+    if any(path in ran for path in REPLICA_PATHS if path not in ("PREFIX_AWARE", TWO_REPLICAS)):
+        return _replica_table(document, ran)
     one, two = ran.get("PREFIX_AWARE"), ran.get(TWO_REPLICAS)
     if one is None or two is None:
         return ""
@@ -158,9 +169,58 @@ def _replicas_section(document: Document, results: list[PathResult]) -> str:
     points = (two.hit_rate - one.hit_rate) * 100
     return f"""
 **Two router replicas** (`{TWO_REPLICAS}`): Envoy spreads the ext_proc streams over {replicas}
-router processes (least-request), each with its own prefix index and no link between
-them. Hit rate {two.hit_rate:.1%} against {one.hit_rate:.1%} for one replica: {points:+.1f}
-points.
+router processes (least-request). Hit rate {two.hit_rate:.1%} against {one.hit_rate:.1%} for
+one replica: {points:+.1f} points.
+"""
+
+
+def _replica_table(document: Document, ran: dict[str, PathResult]) -> str:
+    """1, 2 and 4 replicas, reading the engines' KV events and without them."""
+    modes = {
+        "KV events": ("PREFIX_AWARE", TWO_REPLICAS, FOUR_REPLICAS),
+        "approximate": (APPROXIMATE, TWO_REPLICAS_APPROXIMATE, FOUR_REPLICAS_APPROXIMATE),
+    }
+    rows = []
+    for mode, paths in modes.items():
+        base = ran.get(paths[0])
+        for path in paths:
+            result = ran.get(path)
+            if result is None:
+                continue
+            replicas = document["our_paths"][path]["replicas"]
+            estimate = result.index_estimate
+            vs_one = (
+                ""
+                if base is None or path == paths[0]
+                else (
+                    f"{(result.hit_rate - base.hit_rate) * 100:+.1f} points, P90 "
+                    f"{_ratio(result.percentile(0.9), base.percentile(0.9))}"
+                )
+            )
+            rows.append(
+                [
+                    mode,
+                    replicas,
+                    f"{result.hit_rate:.1%}",
+                    "" if estimate is None else f"{estimate:.1%}",
+                    "" if estimate is None else f"{(estimate - result.hit_rate) * 100:+.1f}",
+                    f"{result.percentile(0.9):.0f}",
+                    vs_one,
+                ]
+            )
+    table = report.markdown_table(
+        ["index", "replicas", "hit rate (vLLM's counters)", "routers' estimate",
+         "estimate - measured (points)", "TTFT p90 (ms)", "vs one replica"],
+        rows,
+    )  # fmt: skip
+    return f"""
+## Router replicas: one view of the caches, or each its own
+
+Envoy spreads the ext_proc streams over the replicas (least-request). With `kv_events` (the
+default) every replica reads each simulator's KV events, as it would vLLM's; `approximate`
+paths turn them off, so each replica knows only its own decisions.
+
+{table}
 """
 
 

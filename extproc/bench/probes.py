@@ -59,6 +59,20 @@ def placement_weights(stack: LocalStack) -> dict[str, float]:
     return by_host(scrape(stack.control_plane_metrics_url), "prefix_router_cp_placement_weight")
 
 
+def wait_for_precise(stack: LocalStack, replicas: int, hosts: int, timeout_s: float = 30) -> None:
+    """Until each of the first ``replicas`` routers reads ``hosts`` engines' KV events."""
+
+    def precise(replica: int) -> float:
+        samples = scrape(stack.replica_metrics_url(replica))
+        return samples.get(("prefix_router_kv_events_hosts", (("state", "precise"),)), 0.0)
+
+    wait_until(
+        lambda: all(precise(r) == hosts for r in range(replicas)),
+        timeout_s,
+        f"{replicas} router replica(s) reading {hosts} engines' KV events",
+    )
+
+
 def wait_for_idle_pressure(stack: LocalStack, timeout_s: float = 120.0) -> None:
     """Wait until no host's cache pressure steers placement (every weight is 1): the
     traffic of a run before, even one that bypassed the routers, has died away."""

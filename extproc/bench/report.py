@@ -59,6 +59,7 @@ RENDERERS = {
     "concurrency": "extproc.bench.concurrency",
     "fleet": "extproc.bench.fleet_render",
     "fleet-events": "extproc.bench.fleet_events",
+    "kv-events": "extproc.bench.kv_events",
     "long-streams": "extproc.bench.long_streams",
     "overhead": "extproc.bench.overhead",
     "prefix-index": "extproc.bench.prefix_index",

@@ -12,6 +12,9 @@ engine model at time_scale 0), one request at a time, each request's change in
 - **conversation**: five turns, each resending the previous prompt and the output the
   engine generated for it (vLLM's own token ids; the simulator's own text), so what each
   engine caches of its output is compared too.
+- **events**: the documents sequence again from cold caches, both engines publishing KV
+  events; the blocks each reports stored (``BlockStored``) and removed (``BlockRemoved``),
+  read back in full from its replay socket once it has gone quiet.
 
 ``prefix-router bench --workload sim-vs-vllm`` writes ``sim-vs-vllm.json`` and renders
 ``sim-vs-vllm.md`` from it; ``tests/vllm/test_cache_accounting.py`` asserts equality.
@@ -29,9 +32,14 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import httpx
+import zmq
+import zmq.asyncio
 
 from extproc.bench import report
 from extproc.control.loadfeed import parse_vllm_metrics
+from extproc.events.publisher import END_SEQ, encode_seq
+from extproc.events.sources import sources_from_kv_event_sources
+from extproc.events.wire import BlockRemoved, BlockStored, decode_batch
 from extproc.sim.server import SimOptions, serve
 from extproc.stack.processes import free_port
 from extproc.stack.vllm import VllmOptions, make_model, start_vllm, vllm_python
@@ -60,7 +68,7 @@ def as_text(ids: list[int]) -> str:
 
 
 @asynccontextmanager
-async def simulated_instance() -> AsyncIterator[str]:
+async def simulated_instance(kv_events: bool = False) -> AsyncIterator[str]:
     """One simulated instance set up like the vLLM one; yields its base URL."""
     host = "127.0.0.28"
     port = free_port(host)
@@ -70,6 +78,9 @@ async def simulated_instance() -> AsyncIterator[str]:
         block_size_tokens=BLOCK_TOKENS,
         capacity_blocks=NUM_BLOCKS - 1,
         chars_per_token=4,
+        kv_events=kv_events,
+        kv_events_port=0,
+        kv_events_replay_port=0,
     )
     ready = asyncio.Event()
     server = asyncio.create_task(serve([(host, port)], options, ready))
@@ -217,6 +228,64 @@ async def compare_documents(vllm_url: str) -> Comparison:
     return Comparison("documents", [f"document {d}" for d in SEQUENCE], real, simulated)
 
 
+async def block_events(url: str) -> tuple[int, int]:
+    """(blocks stored, blocks removed) an engine has published so far: every batch its
+    replay socket still holds (vLLM keeps 10,000), asked for again until two answers agree,
+    so events still on their way are in."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        body = (await client.get(f"{url}/kv_event_sources")).json()
+    (source,) = sources_from_kv_event_sources(body, url.removeprefix("http://"))
+    assert source.replay_endpoint is not None, "the engine publishes no replay socket"
+    context = zmq.asyncio.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(source.replay_endpoint)
+    try:
+        previous: tuple[int, int] | None = None
+        for _ in range(20):
+            await dealer.send_multipart([b"", encode_seq(0)])
+            stored = removed = 0
+            while True:
+                frames = await asyncio.wait_for(dealer.recv_multipart(), 10)
+                if frames[-2] == END_SEQ:
+                    break
+                for event in decode_batch(frames[-1]).events:
+                    if isinstance(event, BlockStored):
+                        stored += len(event.block_hashes)
+                    elif isinstance(event, BlockRemoved):
+                        removed += len(event.block_hashes)
+            if (stored, removed) == previous:
+                return previous
+            previous = (stored, removed)
+            await asyncio.sleep(0.5)
+        raise TimeoutError(f"{url} kept publishing for 10 s after its last request")
+    finally:
+        dealer.close(linger=0)
+        context.term()
+
+
+async def _events_of(url: str, bodies: list[dict[str, Any]]) -> tuple[int, int]:
+    async with httpx.AsyncClient(timeout=30) as client:
+        (await client.post(f"{url}/reset_prefix_cache")).raise_for_status()
+    before = await block_events(url)
+    await per_request_counts(url, bodies)
+    after = await block_events(url)
+    return after[0] - before[0], after[1] - before[1]
+
+
+async def compare_events(vllm_url: str) -> Comparison:
+    """The documents sequence from cold caches: blocks stored and removed, in total."""
+    sequence = prompts()
+    real = await _events_of(
+        vllm_url, [{"model": "tiny", "prompt": ids, "max_tokens": 1} for ids in sequence]
+    )
+    async with simulated_instance(kv_events=True) as sim_url:
+        simulated = await _events_of(
+            sim_url,
+            [{"model": "sim-model", "prompt": as_text(ids), "max_tokens": 1} for ids in sequence],
+        )
+    return Comparison("events", ["blocks stored, removed"], [real], [simulated])
+
+
 async def compare_conversation(vllm_url: str) -> Comparison:
     async with httpx.AsyncClient(timeout=30) as client:
         (await client.post(f"{vllm_url}/reset_prefix_cache")).raise_for_status()
@@ -242,6 +311,7 @@ def run(out_dir: Path | None, command: str = "") -> list[Comparison]:
             comparisons = [
                 asyncio.run(compare_documents(url)),
                 asyncio.run(compare_conversation(url)),
+                asyncio.run(compare_events(url)),
             ]
         finally:
             server.stop(timeout=20)
@@ -259,6 +329,12 @@ def run(out_dir: Path | None, command: str = "") -> list[Comparison]:
 
 
 def _table(comparison: Comparison) -> str:
+    if comparison.name == "events":
+        (real,), (simulated,) = comparison.vllm, comparison.simulator
+        return report.markdown_table(
+            ["", "vLLM", "simulator"],
+            [["blocks stored", real[0], simulated[0]], ["blocks removed", real[1], simulated[1]]],
+        )
     rows = [
         [str(n), label, *map(str, real), *map(str, simulated)]
         for n, (label, real, simulated) in enumerate(
@@ -304,6 +380,9 @@ the same tokens in the same blocks. Each row is what one request added to
   previous prompt and the output the engine generated for it (vLLM's own token ids, asked
   with `ignore_eos` so both generate exactly `max_tokens`; the simulator's own text), so
   what each engine caches of its generated output is compared too.
+- **events**: the documents sequence again from cold caches, with both engines publishing
+  their KV-cache events (vLLM's `--kv-events-config`, `prefix-router sim --kv-events`):
+  the blocks each reported stored and removed, in total.
 
 {body}
 ## Reproduce

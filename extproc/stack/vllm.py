@@ -8,6 +8,7 @@ vllm.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import subprocess
 from dataclasses import dataclass, field
@@ -61,9 +62,29 @@ class VllmOptions:
     gpu_memory_utilization: float = 0.2
     extra_args: tuple[str, ...] = ()
     extra_env: dict[str, str] = field(default_factory=dict)
+    # Publish KV-cache events (--kv-events-config) on Unix sockets in the instance's
+    # directory: vLLM binds an ipc:// endpoint (a tcp:// one with a host it connects out
+    # to), and a socket file reaches only this machine, where tcp://*:port listens on
+    # every interface.
+    kv_events: bool = True
 
 
-def vllm_argv(python: str, options: VllmOptions, host: str, port: int) -> list[str]:
+def kv_events_config(events_dir: Path) -> str:
+    """vLLM's --kv-events-config, publishing into ``events_dir``."""
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"ipc://{events_dir / 'kv-events.pub'}",
+            "replay_endpoint": f"ipc://{events_dir / 'kv-events.replay'}",
+            "topic": "kv",
+        }
+    )
+
+
+def vllm_argv(
+    python: str, options: VllmOptions, host: str, port: int, events_dir: Path | None = None
+) -> list[str]:
     argv = [
         python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(options.model_dir),
@@ -80,6 +101,8 @@ def vllm_argv(python: str, options: VllmOptions, host: str, port: int) -> list[s
         argv += ["--dtype", "bfloat16", "--enforce-eager"]
     else:
         argv += ["--gpu-memory-utilization", str(options.gpu_memory_utilization)]
+    if options.kv_events and events_dir is not None:
+        argv += ["--kv-events-config", kv_events_config(events_dir)]
     return argv + list(options.extra_args)
 
 
@@ -117,7 +140,7 @@ def start_vllm(
         processes.append(
             ManagedProcess(
                 f"vllm-{host}:{port}",
-                vllm_argv(python, options, host, port),
+                vllm_argv(python, options, host, port, instance_dir),
                 instance_dir / "server.log",
                 env=vllm_env(options, instance_dir),
             ).start()

@@ -9,6 +9,7 @@ import pytest
 from extproc.bench.sim_vs_vllm import (
     compare_conversation,
     compare_documents,
+    compare_events,
     vllm_options,
 )
 from extproc.stack.processes import free_port
@@ -48,4 +49,12 @@ async def test_simulator_caches_generated_output_like_vllm(vllm_url):
     show(comparison)
     # Each turn after the first hits the previous prompt and the output generated for it.
     assert all(hits > 0 for _, hits in comparison.vllm[1:])
+    assert comparison.simulator == comparison.vllm
+
+
+async def test_simulator_publishes_the_block_events_vllm_publishes(vllm_url):
+    # The same requests, from cold caches: as many blocks stored and removed.
+    comparison = await compare_events(vllm_url)
+    show(comparison)
+    assert comparison.vllm[0][0] > 0 and comparison.vllm[0][1] > 0  # it stores, and evicts
     assert comparison.simulator == comparison.vllm

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import statistics
 from dataclasses import replace
 
 from extproc.cli.bench.workload import Workload, command_line, duration, out, quick, rounds
@@ -63,6 +64,20 @@ def run_prefix_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_kv_events(args: argparse.Namespace) -> int:
+    from extproc.bench import kv_events
+
+    options = kv_events.KvEventsOptions(out_dir=args.out, command=command_line(args))
+    if args.quick:
+        options = replace(options, iterations=200, ingest_prompts=20, rounds=1)
+    data = kv_events.run(options)
+    for cost in data["request_path"]:
+        print(cost)
+    for ingest in data["ingest"]:
+        print(ingest["decoder"], f"{statistics.median(ingest['cpu_us_per_block']):.2f} us/block")
+    return 0
+
+
 WORKLOADS = (
     Workload(
         "overhead",
@@ -81,6 +96,12 @@ WORKLOADS = (
         "ext_proc streams Envoy holds while 500 responses stream for 30 s, per body mode",
         (quick, out),
         run_long_streams,
+    ),
+    Workload(
+        "kv-events",
+        "what reading the engines' KV events costs: the request path, ingestion, memory",
+        (quick, out),
+        run_kv_events,
     ),
     Workload(
         "prefix-index",
