@@ -45,7 +45,7 @@ from extproc.events.tokens import (
     find_tokenizer,
 )
 from extproc.events.wire import BlockRemoved, BlockStored
-from extproc.index.precise import PreciseHost, SpeculationStats, SpeculativeBlocks
+from extproc.index.precise import PreciseHost, SpeculationStats
 from extproc.index.prefix import PrefixIndex
 from extproc.picker.blocks import chain_seed
 
@@ -164,6 +164,7 @@ class KvEventsFeed:
             self, silent_after_s=config.kv_events_silent_after_s
         )
         self._wake = asyncio.Event()
+        index.speculative_ttl_s = config.kv_events_speculative_ttl_s
 
     # --- what the router tells it
 
@@ -245,11 +246,12 @@ class KvEventsFeed:
             decoder,
             seed_of,
             max(1024, int(capacity * _ENGINE_BLOCKS_PER_TOKEN)),
+            # A key is at most match_depth_chars characters, 4 bytes each at most.
+            max_key_bytes=4 * self._config.match_depth_chars,
         )
         self._mirrors[host] = mirror
         self._discovered[host] = found
-        ttl = self._config.kv_events_speculative_ttl_s
-        view = PreciseHost(mirror, SpeculativeBlocks(ttl, self._index.capacity_of(host)))
+        view = PreciseHost(mirror, self._index.speculative_of(host))
         self._index.set_precise(host, view)
         self._state[host] = HostState.PRECISE
         log.info("kv_events_subscribed", host=host, sources=len(found.sources), model=base)
@@ -288,9 +290,7 @@ class KvEventsFeed:
         mirror = self._mirrors.get(host)
         if mirror is not None:
             mirror.clear()
-        view = self._index.precise(host)
-        if view is not None:
-            view.speculative.clear()
+        self._index.speculative_of(host).clear()
         log.info("kv_events_host_cleared", host=host, reason=reason)
 
     def live(self, host: str, live: bool) -> None:

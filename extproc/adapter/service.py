@@ -195,6 +195,7 @@ class ConfigReloader:
         "traffic_log_files",
         # The event streams are set up at start.
         "kv_events",
+        "kv_events_speculative_ttl_s",
         "kv_events_silent_after_s",
         "kv_events_tokenizer",
         # The TLS files are read at start.

@@ -70,14 +70,15 @@ class MirrorStats:
     router_blocks: int = 0
 
 
-# The router's view after one engine block: (chain, tail, pending, completed).
+# The router's view after one engine block: (chain, tail, pending, completed, depth).
 #   chain: the hash of the last full router block (the seed before the first one);
 #   tail: the key bytes past that router block;
 #   pending: the decoder's held-back bytes;
-#   completed: the router blocks this engine block completed.
+#   completed: the router blocks this engine block completed;
+#   depth: bytes of key text up to the end of this engine block.
 # A plain tuple, not a NamedTuple: one is built per engine block, and a NamedTuple's
 # constructor costs ten times as much.
-_Block = tuple[int, bytes, bytes, tuple[int, ...]]
+_Block = tuple[int, bytes, bytes, tuple[int, ...], int]
 _COMPLETED: Final = 3
 
 _NONE: tuple[int, ...] = ()
@@ -93,6 +94,7 @@ class HostMirror:
         seed_of: SeedOf,
         max_engine_blocks: int,
         group_idx: int = 0,
+        max_key_bytes: int | None = None,
     ) -> None:
         if block_bytes < 1 or max_engine_blocks < 1:
             raise ValueError("block_bytes and max_engine_blocks must be positive")
@@ -101,6 +103,10 @@ class HostMirror:
         self._seed_of = seed_of
         self._max_engine_blocks = max_engine_blocks
         self._group_idx = group_idx
+        # The router matches no deeper than its key (match_depth_chars): past this many
+        # bytes of key text an engine block is remembered, but not decoded or hashed, so a
+        # prompt of megabytes costs what its first part does.
+        self._max_key_bytes = max_key_bytes
         # Engine hash -> state after it, least recently stored first. An OrderedDict: a
         # plain dict popped from the front leaves holes that every later next(iter())
         # walks over, which made eviction quadratic.
@@ -177,7 +183,7 @@ class HostMirror:
             self.stats.opaque += count
             return None
         seed = self._seed_of(event.lora_name, _cache_salt(keys, event.lora_name))
-        return (seed, b"", b"", _NONE)
+        return (seed, b"", b"", _NONE, 0)
 
     def _extend(self, block: _Block, event: BlockStored) -> int:
         """Map the event's blocks one after another from ``block``.
@@ -200,7 +206,14 @@ class HostMirror:
         stop = count if extra is None else _text_blocks(extra, first, count)
         if first or stop < count:
             hashes, tokens = hashes[first:stop], tokens[first * size : stop * size]
-        chain, tail, pending, _ = block
+        chain, tail, pending, _, depth = block
+        cap = self._max_key_bytes
+        if cap is not None and depth >= cap:  # past what any key reaches: just remember it
+            for engine_hash in hashes:
+                if engine_hash not in blocks:
+                    self.stats.stored += 1
+                    blocks[engine_hash] = (chain, b"", b"", _NONE, depth)
+            return 0
         decoded = self._decode_blocks(pending, tokens, size)
         self.stats.opaque += count - first - len(decoded)
         self.stats.stored += len(decoded)
@@ -208,15 +221,16 @@ class HostMirror:
         for engine_hash, (out, pending) in zip(hashes, decoded, strict=False):
             if engine_hash in blocks:  # a known block past a new one: keep its state
                 self.stats.stored -= 1
-                chain, tail, pending, _ = blocks[engine_hash]
+                chain, tail, pending, _, depth = blocks[engine_hash]
                 blocks.move_to_end(engine_hash)
                 continue
             tail += out
+            depth += len(out)
             completed = _NONE
             if len(tail) >= block_bytes:
                 chain, tail, completed = self._cut(chain, tail)
                 gained += self._hold(completed)
-            blocks[engine_hash] = (chain, tail, pending, completed)
+            blocks[engine_hash] = (chain, tail, pending, completed, depth)
         return gained
 
     def _cut(self, chain: int, data: bytes) -> tuple[int, bytes, tuple[int, ...]]:

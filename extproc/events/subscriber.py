@@ -83,6 +83,9 @@ log = structlog.get_logger("kv_events")
 _SUB_HWM: Final = 10_000  # live batches zmq queues for us while a replay runs
 _MAX_REPLAY_BATCHES: Final = 1_000_000  # an answer longer than this is not vLLM's
 _DRAIN_PER_WAKE: Final = 1_000  # SUB messages handled before yielding to the loop
+# Payload bytes decoded before the event loop gets a turn: about a millisecond of work, so
+# a burst of events never holds an ext_proc answer back for long.
+_BYTES_PER_WAKE: Final = 256 * 1024
 _RECONNECT_IVL_MAX_MS: Final = 2_000  # zmq backs off from 100 ms to this while an engine is down
 _REPLAY_ROUNDS: Final = 20  # asks per sync: each gets at least vLLM's 1000-message queue
 _DEALER_HWM: Final = 20_000  # replay batches zmq takes in for us: twice vLLM's buffer
@@ -300,12 +303,17 @@ class HostEventStream:
 
     async def _drain_sub(self) -> None:
         assert self._sub is not None
+        taken = 0
         for _ in range(_DRAIN_PER_WAKE):
             try:
                 frames = await self._sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             await self._on_live(frames)
+            taken += len(frames[-1])
+            if taken >= _BYTES_PER_WAKE:  # the loop's requests go first: decoding waits
+                taken = 0
+                await asyncio.sleep(0)
 
     # --- live messages -------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from extproc.index.hosts import HostBlocks
-from extproc.index.precise import PreciseHost
+from extproc.index.precise import PreciseHost, SpeculativeBlocks
 from extproc.picker.blocks import PrefixLookup, PromptBlocks
 
 
@@ -50,8 +50,11 @@ class PrefixIndex:
         self.sizing = sizing
         self._clock = clock
         self._hosts: dict[str, HostBlocks] = {}
-        # Hosts whose engines publish KV events (``precise.py``).
+        # Hosts whose engines publish KV events (``precise.py``), and, while any may
+        # (``speculative_ttl_s`` set), this router's recent decisions for every host.
         self._precise: dict[str, PreciseHost] = {}
+        self._speculative: dict[str, SpeculativeBlocks] = {}
+        self.speculative_ttl_s: float | None = None
         # Engine cache sizes in tokens, as published; absent: unknown.
         self._cache_tokens: dict[str, float] = {}
         # Blocks dropped, by reason: capacity (LRU), host_left, host_reset.
@@ -91,11 +94,16 @@ class PrefixIndex:
             held = self._hosts[host] = HostBlocks(self._capacity_of(host))
             self.resize()  # a new host's share may shrink the others'
         self.evicted["capacity"] += held.touch(hashes, lookup.depth_on(host))
-        view = self._precise.get(host)
-        if view is not None:
+        if self.speculative_ttl_s is not None:
             now = self._clock()
-            view.expire(now)
-            view.record(hashes, now)
+            view = self._precise.get(host)
+            if view is not None:
+                view.expire(now)
+                view.record(hashes, now)
+            else:  # kept until the host's events are read: its view starts from them
+                speculative = self.speculative_of(host)
+                speculative.expire(now)
+                speculative.record(hashes, now)
 
     # --- the precise views (hosts that publish KV events)
 
@@ -109,6 +117,15 @@ class PrefixIndex:
     def precise(self, host: str) -> PreciseHost | None:
         return self._precise.get(host)
 
+    def speculative_of(self, host: str) -> SpeculativeBlocks:
+        """This router's recent decisions for ``host``, recorded whether or not its events
+        are read yet, so that a view set up after a decision still counts it."""
+        speculative = self._speculative.get(host)
+        if speculative is None:
+            ttl = self.speculative_ttl_s or 0.0
+            speculative = self._speculative[host] = SpeculativeBlocks(ttl, self._capacity_of(host))
+        return speculative
+
     def retain(self, hosts: Iterable[str]) -> None:
         """Forget every host not in ``hosts`` (the newly published fleet)."""
         keep = set(hosts)
@@ -118,6 +135,8 @@ class PrefixIndex:
             del self._cache_tokens[host]
         for host in [h for h in self._precise if h not in keep]:
             del self._precise[host]
+        for host in [h for h in self._speculative if h not in keep]:
+            del self._speculative[host]
         self.resize()
 
     def forget(self, host: str) -> None:
@@ -125,9 +144,9 @@ class PrefixIndex:
         held = self._hosts.pop(host, None)
         if held is not None:
             self.evicted["host_reset"] += len(held)
-        view = self._precise.get(host)
-        if view is not None:
-            view.speculative.clear()
+        speculative = self._speculative.get(host)
+        if speculative is not None:
+            speculative.clear()
 
     def set_cache_sizes(self, tokens: Mapping[str, float]) -> None:
         """Engine cache sizes in tokens (0 or absent: unknown); shrinks hosts as needed."""

@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import array
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
+import msgspec
 import zmq
 
 from extproc.events.publisher import EventPublisher
@@ -45,6 +46,9 @@ TOPIC: Final = "kv"
 # The extra /kv_event_sources key: this engine's token ids are Unicode code points.
 TOKEN_IDS: Final = "codepoints"
 MEDIUM: Final = "GPU"  # vLLM's MEDIUM_GPU
+# Tokens a step stores at most (vLLM's max_num_batched_tokens is 2048 to 16384 by
+# default, by model and hardware).
+STEP_TOKENS: Final = 8192
 GROUP_IDX: Final = 0  # vLLM's KV-cache group of a model with one attention type
 # vLLM's KVEventsConfig defaults, reported as its /kv_event_sources reports them; our
 # publisher has no such queue bounds of its own (publishing never blocks).
@@ -105,6 +109,43 @@ class EventRecorder:
         return events
 
 
+def step_batches(events: Sequence[KvEvent], max_tokens: int) -> list[list[KvEvent]]:
+    """``events`` in order, cut into batches of at most ``max_tokens`` stored tokens (a
+    ``BlockStored`` of more is split, its pieces chained by parent)."""
+    batches: list[list[KvEvent]] = []
+    batch: list[KvEvent] = []
+    tokens = 0
+    for event in events:
+        pieces: list[KvEvent] = [event]
+        if isinstance(event, BlockStored) and len(event.token_ids) > max_tokens:
+            pieces = list(_split(event, max(1, max_tokens // event.block_size)))
+        for piece in pieces:
+            size = len(piece.token_ids) if isinstance(piece, BlockStored) else 0
+            if batch and tokens + size > max_tokens:
+                batches.append(batch)
+                batch, tokens = [], 0
+            batch.append(piece)
+            tokens += size
+    if batch:
+        batches.append(batch)
+    return batches
+
+
+def _split(event: BlockStored, blocks: int) -> Iterator[BlockStored]:
+    size, parent = event.block_size, event.parent_block_hash
+    extra = event.extra_keys
+    for start in range(0, len(event.block_hashes), blocks):
+        hashes = event.block_hashes[start : start + blocks]
+        yield msgspec.structs.replace(
+            event,
+            block_hashes=hashes,
+            parent_block_hash=parent,
+            token_ids=event.token_ids[start * size : (start + len(hashes)) * size],
+            extra_keys=None if extra is None else extra[start : start + len(hashes)],
+        )
+        parent = hashes[-1]
+
+
 def _zmq_host(host: str) -> str:
     if host in ("", "0.0.0.0", "::"):
         return "*"
@@ -147,10 +188,12 @@ class EventStream:
         return self._publisher.endpoint
 
     def end_step(self) -> None:
-        """Publish what the cache recorded since the last step, as one batch (if any)."""
-        events = self.recorder.take()
-        if events:
-            self._publisher.publish(events)
+        """Publish what the cache recorded since the last step, in batches of at most
+        ``STEP_TOKENS`` tokens: a vLLM step computes no more than its token budget, so a
+        consumer never gets a megabyte prompt in one message (the simulator, which takes
+        any prompt in one step, would send one)."""
+        for batch in step_batches(self.recorder.take(), STEP_TOKENS):
+            self._publisher.publish(batch)
 
     def source(self) -> dict[str, Any]:
         """This rank's entry of ``GET /kv_event_sources``: vLLM's KVEventsConfig, field

@@ -531,3 +531,26 @@ def test_random_conversations(
     for event in events:
         mirror.removed(removal(event.block_hashes))
     assert len(mirror) == 0
+
+
+def test_nothing_past_the_deepest_key_is_decoded_or_held():
+    # A prompt of 20 router blocks, mirrored with room for 8 blocks of key: the first 8
+    # blocks are held (as deep as any request's key reaches), the engine blocks past them
+    # are remembered, so their children are not "unmapped", but cost no decoding.
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prose(5, 20 * BLOCK_BYTES)}]}
+    tokens = [ord(char) for char in prompt_text("chat", body)]
+    events = engine_events(tokens, 64, splits=range(8, 400, 8))  # a router block each
+    capped = HostMirror(
+        BLOCK_BYTES,
+        CodepointDecoder(),
+        lambda lora, salt: chain_seed(lora or MODEL, salt),
+        10**6,
+        max_key_bytes=8 * BLOCK_BYTES,
+    )
+    for event in events:
+        capped.stored(event)
+    hashes = prompt_blocks(router_key(body), BLOCK_BYTES, chain_seed(MODEL, None)).hashes
+    assert capped.matched_depth(hashes) >= 8
+    assert capped.matched_depth(hashes) < 10  # the event crossing the cap is decoded whole
+    assert capped.stats.unmapped == 0
+    assert capped.stats.stored == len(tokens) // 64

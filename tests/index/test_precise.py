@@ -24,9 +24,10 @@ def doc(n: int, blocks: int = 8):
 
 def index_with_views(clock: Clock, ttl_s: float = 5.0):
     index = PrefixIndex(IndexSizing(64, 10_000, 16 * 1000, 4), clock)
+    index.speculative_ttl_s = ttl_s
     views = {}
     for host in (A, B):
-        views[host] = PreciseHost(set(), SpeculativeBlocks(ttl_s, 1000))
+        views[host] = PreciseHost(set(), index.speculative_of(host))
         index.set_precise(host, views[host])
     return index, views
 
@@ -64,7 +65,8 @@ def test_what_another_router_sent_is_seen_through_the_events_alone():
     engine: set[int] = set()
     first, second = (PrefixIndex(IndexSizing(64, 10_000, 16 * 1000, 4), clock) for _ in range(2))
     for index in (first, second):
-        index.set_precise(A, PreciseHost(engine, SpeculativeBlocks(5.0, 1000)))
+        index.speculative_ttl_s = 5.0
+        index.set_precise(A, PreciseHost(engine, index.speculative_of(A)))
     prompt = doc(4)
     first.record(A, first.lookup(prompt, [A, B]))
     assert dict(second.lookup(prompt, [A, B]).matched) == {}
@@ -110,3 +112,15 @@ def test_speculative_blocks_are_bounded():
     assert len(blocks) == 5
     assert all(blocks.held(b, 1.0) for b in range(15, 20))
     assert blocks.expire(10.0) == list(range(15, 20))
+
+
+def test_a_decision_made_before_the_hosts_events_are_read_still_counts():
+    # The router's first request can come before discovery has subscribed to a host; the
+    # view set up a moment later starts from that decision, not from nothing.
+    clock = Clock()
+    index = PrefixIndex(IndexSizing(64, 10_000, 16 * 1000, 4), clock)
+    index.speculative_ttl_s = 5.0
+    prompt = doc(8)
+    index.record(A, index.lookup(prompt, [A, B]))
+    index.set_precise(A, PreciseHost(set(), index.speculative_of(A)))
+    assert dict(index.lookup(prompt, [A, B]).matched) == {A: 8}

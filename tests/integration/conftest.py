@@ -25,9 +25,9 @@ VARIANTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=VARIANTS, ids=["-".join(v) for v in VARIANTS])
-def stack(request) -> Iterator[LocalStack]:
-    mode, body_mode = request.param
+def variant_stack(variant: tuple[str, str], **overrides: object) -> Iterator[LocalStack]:
+    """The stack of one (Envoy mode, body mode) variant, running until the generator ends."""
+    mode, body_mode = variant
     spec = StackSpec.ephemeral(
         3,
         mode=mode,
@@ -35,6 +35,7 @@ def stack(request) -> Iterator[LocalStack]:
         sim_args=SIM_ARGS,
         router_settings={"concurrency_threshold": THRESHOLD, "prefix_length": 4096}
         | INSTANT_PREFILL,  # the simulators answer at once (--ttft-ms 0)
+        **overrides,
     )
     with LocalStack(spec) as running:
         if body_mode == "streamed":
@@ -44,6 +45,11 @@ def stack(request) -> Iterator[LocalStack]:
             # request for a scrape round. These tests are about the steady state.
             running.open_completion_logs()
         yield running
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=["-".join(v) for v in VARIANTS])
+def stack(request) -> Iterator[LocalStack]:
+    yield from variant_stack(request.param)
 
 
 def streams_end_at_decision(stack: LocalStack) -> bool:

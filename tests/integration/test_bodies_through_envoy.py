@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -12,7 +13,18 @@ import pytest
 from extproc.stack.bootstrap import BootstrapParams
 from extproc.stack.local import LocalStack
 
-from .conftest import fleet
+from .conftest import VARIANTS, fleet, variant_stack
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=["-".join(v) for v in VARIANTS])
+def stack(request) -> Iterator[LocalStack]:
+    # Without KV events: these bodies (up to 8 MiB of prompt) are far past any model's
+    # context, which vLLM refuses, while the simulator takes them and would publish each
+    # character as a token: the router would ingest hundreds of thousands of engine blocks
+    # per request, on the 2 cores Envoy streams the bodies on. Body delivery is what is
+    # tested here; tests/integration/test_kv_events.py tests the events.
+    yield from variant_stack(request.param, sim_kv_events=False)
+
 
 # Bodies up to the router's max_body_bytes and past it: tests/bench/test_bodies.py and
 # `prefix-router bench bodies`.

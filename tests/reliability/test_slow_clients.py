@@ -37,8 +37,11 @@ RSS_GROWTH_BOUND_KIB = 64 * 1024
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[LocalStack]:
+    # Without KV events: bodies far above the buffer limit are far past any model's
+    # context (see tests/integration/test_bodies_through_envoy.py).
     spec = reliability_spec(
         3,
+        sim_kv_events=False,
         buffer_limit_bytes=BUFFER_LIMIT,
         envoy_settings={
             "stream_idle_timeout_s": IDLE_TIMEOUT_S,

@@ -651,3 +651,23 @@ async def test_a_taken_event_port_fails_startup_with_a_clear_error() -> None:
         async with asyncio.timeout(10):
             await serve([(HOST, port), (HOST, other)], options)
     assert port_is_free(HOST, events_port) and port_is_free(HOST, port)
+
+
+def test_a_long_prompt_is_published_in_step_sized_batches_chained_by_parent():
+    from extproc.sim.events import step_batches
+
+    tokens = list(range(64 * 300))
+    hashes = list(range(1, 301))
+    stored = BlockStored(hashes, None, tokens, 64, None, "GPU", None, [None] * 300, 0)
+    batches = step_batches([stored, BlockRemoved([7], "GPU")], 8192)
+    pieces = [e for batch in batches for e in batch if isinstance(e, BlockStored)]
+    assert all(
+        sum(len(e.token_ids) for e in b if isinstance(e, BlockStored)) <= 8192 for b in batches
+    )
+    assert [h for p in pieces for h in p.block_hashes] == hashes
+    assert [t for p in pieces for t in p.token_ids] == tokens
+    assert [p.parent_block_hash for p in pieces] == [
+        None,
+        *(p.block_hashes[-1] for p in pieces[:-1]),
+    ]
+    assert isinstance(batches[-1][-1], BlockRemoved)
