@@ -108,7 +108,7 @@ __all__ = [
 log = structlog.get_logger("bench")
 
 # The router defaults the report quotes; stored as they were when the run ran.
-QUOTED_ROUTER_DEFAULTS = ("balance_factor", "balance_min_in_flight", "overload_cost")
+QUOTED_ROUTER_DEFAULTS = ("balance_factor", "balance_min_in_flight", "overload_cost", "kv_events")
 
 
 def open_loop(fleet: Fleet, path: str, url: str, requests: list[BenchRequest]) -> PathResult:

@@ -167,10 +167,16 @@ def _replicas_section(document: Document, results: list[PathResult]) -> str:
         return ""
     replicas = document["our_paths"][TWO_REPLICAS]["replicas"]
     points = (two.hit_rate - one.hit_rate) * 100
+    # Runs stored before the router read KV events say nothing of them: no events then.
+    if document["router"].get("kv_events", False):
+        link = "each reading every simulator's KV events"
+    else:
+        link = "each with its own prefix index and no link between\nthem"
+    rates = f"Hit rate {two.hit_rate:.1%} against {one.hit_rate:.1%} for one replica: {points:+.1f}"
     return f"""
 **Two router replicas** (`{TWO_REPLICAS}`): Envoy spreads the ext_proc streams over {replicas}
-router processes (least-request). Hit rate {two.hit_rate:.1%} against {one.hit_rate:.1%} for
-one replica: {points:+.1f} points.
+router processes (least-request), {link}. {rates}
+points.
 """
 
 

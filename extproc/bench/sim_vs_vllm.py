@@ -358,6 +358,12 @@ def render(data: dict[str, Any]) -> str:
         verdict = "identical, request by request" if comparison.equal else "**they differ**"
         sections.append(f"### {comparison.name}: {verdict}\n\n{_table(comparison)}\n")
     body = "\n".join(sections)
+    events = ""
+    if any(c.name == "events" for c in comparisons):
+        events = """- **events**: the documents sequence again from cold caches, with both engines
+  publishing their KV-cache events (vLLM's `--kv-events-config`, `prefix-router sim --kv-events`):
+  the blocks each reported stored and removed, in total.
+"""
     return f"""# Simulator vs real vLLM: prefix-cache accounting
 
 <!-- Rendered from sim-vs-vllm.json by extproc/bench/sim_vs_vllm.py. -->
@@ -380,10 +386,7 @@ the same tokens in the same blocks. Each row is what one request added to
   previous prompt and the output the engine generated for it (vLLM's own token ids, asked
   with `ignore_eos` so both generate exactly `max_tokens`; the simulator's own text), so
   what each engine caches of its generated output is compared too.
-- **events**: the documents sequence again from cold caches, with both engines publishing
-  their KV-cache events (vLLM's `--kv-events-config`, `prefix-router sim --kv-events`):
-  the blocks each reported stored and removed, in total.
-
+{events}
 {body}
 ## Reproduce
 

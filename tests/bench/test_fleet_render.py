@@ -396,6 +396,7 @@ def test_write_report_stores_the_run_then_renders_what_it_stored(tmp_path):
         "balance_factor": defaults.balance_factor,
         "balance_min_in_flight": defaults.balance_min_in_flight,
         "overload_cost": defaults.overload_cost,
+        "kv_events": defaults.kv_events,
     }
     assert document["simulator"]["args"][-2:] == ["--max-num-seqs", "16"]
     assert document["closed_loop"]["concurrency"] == 4 and document["overhead_probes"] == 3

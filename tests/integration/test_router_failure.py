@@ -35,9 +35,7 @@ def test_router_down_then_back(stack: LocalStack, client):
         stack.start_router()
 
     # Affinity is back once the router is: Envoy reconnects on the next request, and the
-    # new router decides every request. It starts with an empty index, and the requests
-    # that failed open have shifted the hosts' cache pressure, so the prompt's new home
-    # need not be the old one; it is one host, every time.
+    # new router decides every request.
     # Back in the path is what a probe shows: Envoy's health check readmits the router
     # within its interval (1 s), and its gauges said healthy while its worker still
     # answered "no healthy upstream" (a run here failed all three requests open).
@@ -55,7 +53,16 @@ def test_router_down_then_back(stack: LocalStack, client):
         # count as load until their host's next scrape (0.25 s): let them, at threshold 2.
         time.sleep(0.3)
     assert all(r.status_code == 200 for r in after), router_state(stack)
-    assert len({r.headers["x-served-by"] for r in after}) == 1, router_state(stack)
+    # The new router reads every engine's KV events, replayed from before it started: the
+    # prompt is cached on its old home and wherever the failed-open requests went, and it
+    # goes to one of those, the less loaded of equal holders (with STREAMED bodies a
+    # decision counts as load until the next scrape, so equal holders may alternate).
+    holders = {home} | (
+        {r.headers["x-served-by"] for r in responses}
+        if stack.spec.mode == "override-host"
+        else set()
+    )
+    assert {r.headers["x-served-by"] for r in after} <= holders, router_state(stack)
     assert after[0].headers["x-served-by"] in fleet(stack)
     assert decisions_made(stack) == probes + 3, router_state(stack)
     assert home in fleet(stack)

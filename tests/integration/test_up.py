@@ -37,6 +37,17 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def wait_for_banner(up: subprocess.Popen[str]) -> str:
+    """What ``prefix-router up`` printed until it said it is up (within 60 s)."""
+    deadline = time.monotonic() + 60
+    banner = ""
+    while "is up" not in banner and time.monotonic() < deadline:
+        line = up.stdout.readline() if up.stdout else ""
+        assert line, f"prefix-router up exited early: {banner}"
+        banner += line
+    return banner
+
+
 def test_up_serves_with_affinity_and_stops_cleanly(tmp_path):
     port = free_port()
     work_dir = tmp_path / "stack"
@@ -64,12 +75,7 @@ def test_up_serves_with_affinity_and_stops_cleanly(tmp_path):
     ]
     up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 60
-        banner = ""
-        while "is up" not in banner and time.monotonic() < deadline:
-            line = up.stdout.readline()
-            assert line, f"prefix-router up exited early: {banner}"
-            banner += line
+        banner = wait_for_banner(up)
         assert f"http://127.0.0.1:{port}" in banner
         children = children_of(up.pid)
         assert len(children) == 6  # 3 simulators, the control plane, the router and Envoy
@@ -106,12 +112,7 @@ def test_up_starts_every_default_port_together_with_two_workers(tmp_path):
     argv += ["--sim-ttft-ms", "0", "--sim-itl-ms", "0", "--work-dir", str(tmp_path / "stack")]
     up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 60
-        banner = ""
-        while "is up" not in banner and time.monotonic() < deadline:
-            line = up.stdout.readline()
-            assert line, f"prefix-router up exited early: {banner}"
-            banner += line
+        banner = wait_for_banner(up)
         url = f"http://{ports.loopback(ports.ENVOY_LISTEN)}"
         assert url in banner
         body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}
