@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,6 +22,14 @@ PAGE = "README.md"
 OURS = "PREFIX_AWARE"
 FIXED = "PREFIX_AWARE-fixed"
 TWO_REPLICAS = "PREFIX_AWARE-two-replicas"
+# bench replicas: each replica count with the engines' KV events, and its approximate twin.
+REPLICAS_REPORT = "replicas-long-context"
+REPLICA_PATHS = (
+    (TWO_REPLICAS, "PREFIX_AWARE-two-replicas-approximate"),
+    ("PREFIX_AWARE-four-replicas", "PREFIX_AWARE-four-replicas-approximate"),
+)
+# A fleet prefilling 1.6M tokens/s in 16-token blocks (the KV-events issue's load).
+KV_EVENTS_BLOCKS_PER_S = 100_000
 RING = "envoy-ring-hash"
 # The peers that route by the prompt or by the client's session id.
 PEERS = ("envoy-ring-hash", "vllm-router-consistent-hash", "vllm-router-cache-aware",
@@ -258,6 +267,79 @@ def _fleet_events_row(runs: Runs) -> Row | None:
     )
 
 
+def _kv_events_replica_rows(runs: Runs) -> Iterable[Row | None]:
+    """Router replicas reading the engines' KV events against one replica (the KV-events
+    issue: within 1 point, and the routers' own estimate within 1 point of the engines')."""
+    run = runs.get(REPLICAS_REPORT)
+    one = _result(run, OURS) if run else None
+    if run is None or one is None:
+        return
+    for path, approximate in REPLICA_PATHS:
+        ours, theirs = _result(run, path), _result(run, approximate)
+        if ours is None:
+            continue
+        replicas = run["our_paths"][path]["replicas"]
+        points = (ours["hit_rate"] - one["hit_rate"]) * 100
+        without = (
+            ""
+            if theirs is None
+            else f"; without events {(theirs['hit_rate'] - one['hit_rate']) * 100:+.1f}"
+        )
+        yield Row(
+            f"{replicas} router replicas with KV events vs one, long-context",
+            "within 1 point",
+            f"{points:+.1f} points ({ours['hit_rate']:.1%} vs {one['hit_rate']:.1%}){without}",
+            "",
+            points >= -1,
+            (REPLICAS_REPORT,),
+        )
+        estimate = ours.get("index_estimate")
+        if estimate is None:
+            continue
+        error = (estimate - ours["hit_rate"]) * 100
+        guessed = theirs.get("index_estimate") if theirs else None
+        without = (
+            ""
+            if theirs is None or guessed is None
+            else f"; without events {(guessed - theirs['hit_rate']) * 100:+.1f}"
+        )
+        yield Row(
+            f"{replicas} router replicas with KV events: their estimate - measured hit rate",
+            "within 1 point",
+            f"{error:+.1f} points{without}",
+            "",
+            abs(error) <= 1,
+            (REPLICAS_REPORT,),
+        )
+
+
+def _kv_events_cost_rows(runs: Runs) -> Iterable[Row | None]:
+    run = runs.get("kv-events")
+    if run is None:
+        return
+    totals = {c["mode"]: c["lookup_us"] + c["record_us"] for c in run["request_path"]}
+    added = totals["kv-events"] - totals["approximate"]
+    chars = run["options"]["prompt_chars"]
+    yield Row(
+        f"KV events on the request path, {chars:,}-character prompt, p50",
+        "≤ 100 µs added",
+        f"{added:+.1f} µs",
+        "",
+        added <= 100,
+        ("kv-events",),
+    )
+    worst = max(run["ingest"], key=lambda r: statistics.median(r["cpu_us_per_block"]))
+    share = KV_EVENTS_BLOCKS_PER_S * statistics.median(worst["cpu_us_per_block"]) / 1e6
+    yield Row(
+        f"KV-event ingestion at {KV_EVENTS_BLOCKS_PER_S:,} engine blocks/s, per router",
+        "≤ 0.25 core",
+        f"{share:.2f} core ({worst['decoder']})",
+        "",
+        share <= 0.25,
+        ("kv-events",),
+    )
+
+
 def _overhead_row(runs: Runs) -> Row | None:
     run = runs.get("overhead")
     if run is None:
@@ -423,6 +505,8 @@ def rows(runs: Runs) -> list[Row]:
     )  # fmt: skip
     found.append(_replicas_row(runs, "long-context", "long-context"))
     found.append(_replicas_row(runs, "conversations", "conversations"))
+    found += _kv_events_replica_rows(runs)
+    found += _kv_events_cost_rows(runs)
     found.append(_prefix_index_row(runs))
     found += _real_vllm_rows(runs)
     found.append(_sim_vs_vllm_row(runs))

@@ -8,6 +8,10 @@ a multiple of it, and the replay is told the fleet's addresses, so placement by 
 hashing matches host by host and shares compare instance by instance. The replay's fleet
 model gets what an operator knows: the instances' cache size (vllm:cache_config_info) and
 the mean output length; nothing measured in the real runs.
+
+The replay models the approximate index: what one router learns from its own decisions.
+The real runs therefore route with the engines' KV events off (``kv_events: false``), so
+that both sides model the same index; the precise mode is not replayed.
 """
 
 from __future__ import annotations
@@ -165,7 +169,8 @@ def measure_workload(
             for name, settings, _ in CONFIGS:
                 if name == RECORDED:
                     settings = {**settings, "traffic_log": str(traffic)}
-                stack.write_router_config(**settings)
+                # The replay models the approximate index: the real runs use it too.
+                stack.write_router_config(**settings, kv_events=False)
                 stack.restart_routers(1)  # stops the recording router: its log is whole
                 if settings["routing_strategy"] == PREFIX_AWARE:
                     wait_for_idle_pressure(stack)

@@ -15,7 +15,7 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from extproc.errors import RouterError
@@ -153,6 +153,18 @@ def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
         return 32768  # Linux's default
 
 
+# Ports this process has handed out. A port is free when checked and bound only later by
+# the process it is given to, so a second request in between could be handed the same
+# one (a benchmark asks several times before it starts anything); never hand one out twice.
+_HANDED_OUT: set[int] = set()
+
+
+def _remember(ports: Iterable[int]) -> None:
+    if len(_HANDED_OUT) > 4 * _MIN_SPAN:  # a long session: forget the oldest generation
+        _HANDED_OUT.clear()
+    _HANDED_OUT.update(ports)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
@@ -173,7 +185,7 @@ def free_ports_on(count: int, hosts: Sequence[str], attempts: int = 400) -> list
             if len(chosen) == count:
                 return chosen
             port = rng.randrange(_LOWEST_PORT, top)
-            if port in chosen:
+            if port in chosen or port in _HANDED_OUT:
                 continue
             try:
                 for host in hosts:
@@ -182,8 +194,9 @@ def free_ports_on(count: int, hosts: Sequence[str], attempts: int = 400) -> list
             except OSError:
                 continue
             chosen.append(port)
-        if len(chosen) == count:
-            return chosen
+            if len(chosen) == count:
+                _remember(chosen)
+                return chosen
     raise OSError(f"no {count} free ports on {', '.join(hosts)} after {attempts} tries")
 
 
@@ -204,12 +217,15 @@ def free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 200) -> i
     top = max(_LOWEST_PORT + _MIN_SPAN, _ephemeral_low())
     for _ in range(attempts):
         base = rng.randrange(_LOWEST_PORT, top - count)
+        if _HANDED_OUT.intersection(range(base, base + count)):
+            continue
         sockets = []
         try:
             for port in range(base, base + count):
                 sock = socket.socket()
                 sockets.append(sock)
                 sock.bind((host, port))
+            _remember(range(base, base + count))
             return base
         except OSError:
             continue

@@ -130,3 +130,46 @@ def test_headline_production_rows_read_the_concurrency_and_bodies_runs():
     run = {"cells": cells, "options": options, "max_body_bytes": 2**26}
     (row,) = headline.rows({"bodies": run})
     assert (row.ours, row.met) == ("2 requests, 1 hung, not all", False)
+
+
+def test_headline_replica_rows_hold_each_count_with_events_to_one_replica():
+    run = _fleet_run(
+        {
+            "PREFIX_AWARE": 0.815,
+            "PREFIX_AWARE-two-replicas": 0.802,
+            "PREFIX_AWARE-four-replicas": 0.809,
+            "PREFIX_AWARE-two-replicas-approximate": 0.794,
+        }
+    )
+    estimates = {"PREFIX_AWARE-two-replicas": 0.84, "PREFIX_AWARE-four-replicas": 0.815}
+    for result in run["results"]:  # type: ignore[attr-defined]
+        result["index_estimate"] = estimates.get(result["path"])
+    run["our_paths"] = {
+        "PREFIX_AWARE-two-replicas": {"replicas": 2},
+        "PREFIX_AWARE-four-replicas": {"replicas": 4},
+    }
+    two, two_estimate, four, four_estimate = headline.rows({"replicas-long-context": run})
+    assert (two.ours, two.met) == ("-1.3 points (80.2% vs 81.5%); without events -2.1", False)
+    assert (two_estimate.ours, two_estimate.met) == ("+3.8 points", False)
+    assert (four.ours, four.met) == ("-0.6 points (80.9% vs 81.5%)", True)
+    assert (four_estimate.ours, four_estimate.met) == ("+0.6 points", True)
+
+
+def test_headline_kv_event_cost_rows_read_the_stored_run():
+    run = {
+        "options": {"prompt_chars": 32768},
+        "request_path": [
+            {"mode": "approximate", "lookup_us": 2.0, "record_us": 3.5},
+            {"mode": "kv-events", "lookup_us": 5.5, "record_us": 3.5},
+        ],
+        "ingest": [
+            {"decoder": "byte-level BPE", "cpu_us_per_block": [3.7, 2.3, 2.2]},
+            {"decoder": "simulator code points", "cpu_us_per_block": [2.0, 2.1, 2.0]},
+        ],
+    }
+    path, ingest = headline.rows({"kv-events": run})
+    assert (path.ours, path.met) == ("+3.5 µs", True)
+    assert (ingest.ours, ingest.met) == ("0.23 core (byte-level BPE)", True)
+    run["ingest"][0]["cpu_us_per_block"] = [3.0, 2.6, 2.7]  # type: ignore[index]
+    (_, ingest) = headline.rows({"kv-events": run})
+    assert (ingest.ours, ingest.met) == ("0.27 core (byte-level BPE)", False)

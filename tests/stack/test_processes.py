@@ -26,6 +26,7 @@ def test_a_port_in_use_is_never_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(processes, "_LOWEST_PORT", 15000)
     monkeypatch.setattr(processes, "_MIN_SPAN", 10)
     monkeypatch.setattr(processes, "_ephemeral_low", lambda: 15050)
+    monkeypatch.setattr(processes, "_HANDED_OUT", set())
     held = []
     try:
         for port in range(15000, 15050):
@@ -46,6 +47,19 @@ def test_a_port_in_use_is_never_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         for sock in held:
             sock.close()
+
+
+def test_a_port_handed_out_is_never_handed_out_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Nothing binds the ports between the calls, as when a benchmark asks for its ports
+    # in several calls before it starts anything: each is still handed out once.
+    monkeypatch.setattr(processes, "_HANDED_OUT", set())
+    monkeypatch.setattr(processes, "_MIN_SPAN", 1000)
+    handed: list[int] = []
+    for _ in range(60):
+        handed += free_ports(2)
+        base = free_port_run(3)
+        handed += range(base, base + 3)
+    assert len(handed) == len(set(handed)) == 300
 
 
 def test_a_port_is_free_on_every_host_asked() -> None:

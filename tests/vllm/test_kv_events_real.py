@@ -33,7 +33,7 @@ def chat(document: str, question: str) -> dict[str, object]:
     }
 
 
-def test_the_router_follows_what_each_engine_holds_whoever_put_it_there(vllm_stack, results):
+def test_the_router_follows_what_each_engine_holds_whoever_put_it_there(vllm_stack):
     stack, _ = vllm_stack
     stack.write_router_config(routing_strategy="PREFIX_AWARE")
     stack.restart_routers()
