@@ -23,7 +23,11 @@ OURS = "PREFIX_AWARE"
 FIXED = "PREFIX_AWARE-fixed"
 TWO_REPLICAS = "PREFIX_AWARE-two-replicas"
 # bench replicas: each replica count with the engines' KV events, and its approximate twin.
-REPLICAS_REPORT = "replicas-long-context"
+REPLICAS_REPORTS = (
+    ("replicas-long-context", "long-context"),
+    ("replicas-conversations", "conversations"),
+)
+APPROXIMATE = "PREFIX_AWARE-approximate"
 REPLICA_PATHS = (
     (TWO_REPLICAS, "PREFIX_AWARE-two-replicas-approximate"),
     ("PREFIX_AWARE-four-replicas", "PREFIX_AWARE-four-replicas-approximate"),
@@ -267,13 +271,15 @@ def _fleet_events_row(runs: Runs) -> Row | None:
     )
 
 
-def _kv_events_replica_rows(runs: Runs) -> Iterable[Row | None]:
+def _kv_events_replica_rows(runs: Runs, report: str, label: str) -> Iterable[Row | None]:
     """Router replicas reading the engines' KV events against one replica (the KV-events
     issue: within 1 point, and the routers' own estimate within 1 point of the engines')."""
-    run = runs.get(REPLICAS_REPORT)
+    run = runs.get(report)
     one = _result(run, OURS) if run else None
     if run is None or one is None:
         return
+    # The approximate paths are compared with one approximate replica, as in the report.
+    one_approximate = _result(run, APPROXIMATE) or one
     for path, approximate in REPLICA_PATHS:
         ours, theirs = _result(run, path), _result(run, approximate)
         if ours is None:
@@ -283,15 +289,15 @@ def _kv_events_replica_rows(runs: Runs) -> Iterable[Row | None]:
         without = (
             ""
             if theirs is None
-            else f"; without events {(theirs['hit_rate'] - one['hit_rate']) * 100:+.1f}"
+            else f"; without events {(theirs['hit_rate'] - one_approximate['hit_rate']) * 100:+.1f}"
         )
         yield Row(
-            f"{replicas} router replicas with KV events vs one, long-context",
+            f"{replicas} router replicas with KV events vs one, {label}",
             "within 1 point",
             f"{points:+.1f} points ({ours['hit_rate']:.1%} vs {one['hit_rate']:.1%}){without}",
             "",
             points >= -1,
-            (REPLICAS_REPORT,),
+            (report,),
         )
         estimate = ours.get("index_estimate")
         if estimate is None:
@@ -304,12 +310,13 @@ def _kv_events_replica_rows(runs: Runs) -> Iterable[Row | None]:
             else f"; without events {(guessed - theirs['hit_rate']) * 100:+.1f}"
         )
         yield Row(
-            f"{replicas} router replicas with KV events: their estimate - measured hit rate",
+            f"{replicas} router replicas with KV events, {label}: their estimate - measured "
+            "hit rate",
             "within 1 point",
             f"{error:+.1f} points{without}",
             "",
             abs(error) <= 1,
-            (REPLICAS_REPORT,),
+            (report,),
         )
 
 
@@ -505,7 +512,8 @@ def rows(runs: Runs) -> list[Row]:
     )  # fmt: skip
     found.append(_replicas_row(runs, "long-context", "long-context"))
     found.append(_replicas_row(runs, "conversations", "conversations"))
-    found += _kv_events_replica_rows(runs)
+    for report, label in REPLICAS_REPORTS:
+        found += _kv_events_replica_rows(runs, report, label)
     found += _kv_events_cost_rows(runs)
     found.append(_prefix_index_row(runs))
     found += _real_vllm_rows(runs)
