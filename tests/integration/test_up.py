@@ -10,9 +10,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from extproc import ports
-from extproc.stack.processes import free_port
+from extproc.stack.processes import free_port, free_ports_on, tcp_open, wait_until
 
 
 def children_of(pid: int) -> list[int]:
@@ -129,3 +130,52 @@ def test_up_starts_every_default_port_together_with_two_workers(tmp_path):
             up.kill()
             up.wait()
         up.stdout.close()
+
+
+def test_up_with_a_backend_that_publishes_reads_its_events_with_no_extra_flag(tmp_path):
+    """``up --backend URL`` against an engine started with KV events: the router finds its
+    publisher at GET /kv_event_sources and reads it, with no flag about events."""
+    host = "127.0.0.31"
+    sim_port, publish, replay = free_ports_on(3, (host,))
+    sim = subprocess.Popen(
+        [sys.executable, "-m", "extproc", "sim", "--address", f"{host}:{sim_port}",
+         "--kv-events", "--kv-events-port", str(publish),
+         "--kv-events-replay-port", str(replay)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    port, metrics = free_port(), free_port()
+    argv = [sys.executable, "-m", "extproc", "up", "--backend", f"http://{host}:{sim_port}"]
+    argv += ["--listen", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{free_port()}"]
+    argv += ["--router-listen", f"127.0.0.1:{free_port()}"]
+    argv += ["--router-metrics", f"127.0.0.1:{metrics}", "--work-dir", str(tmp_path / "stack")]
+    up = None
+    try:
+        wait_until(lambda: tcp_open(host, sim_port), 30, "the simulator")
+        up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_for_banner(up)
+
+        def precise_hosts() -> float:
+            text = httpx.get(f"http://127.0.0.1:{metrics}/metrics", timeout=5).text
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == "prefix_router_kv_events_hosts" and (
+                        sample.labels.get("state") == "precise"
+                    ):
+                        return sample.value
+            return 0.0
+
+        wait_until(lambda: precise_hosts() == 1, 30, "the router reading the engine's events")
+        body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi " * 300}]}
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=10)
+        assert response.status_code == 200
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=30) == 0
+    finally:
+        if up is not None:
+            if up.poll() is None:
+                up.kill()
+                up.wait()
+            if up.stdout is not None:
+                up.stdout.close()
+        sim.terminate()
+        sim.wait(timeout=10)
