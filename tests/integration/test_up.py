@@ -10,9 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from extproc import ports
+from extproc.bench.probes import scrape
 from extproc.stack.processes import free_port, free_ports_on, tcp_open, wait_until
 
 
@@ -155,14 +155,8 @@ def test_up_with_a_backend_that_publishes_reads_its_events_with_no_extra_flag(tm
         wait_for_banner(up)
 
         def precise_hosts() -> float:
-            text = httpx.get(f"http://127.0.0.1:{metrics}/metrics", timeout=5).text
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    if sample.name == "prefix_router_kv_events_hosts" and (
-                        sample.labels.get("state") == "precise"
-                    ):
-                        return sample.value
-            return 0.0
+            samples = scrape(f"http://127.0.0.1:{metrics}/metrics")
+            return samples.get(("prefix_router_kv_events_hosts", (("state", "precise"),)), 0.0)
 
         wait_until(lambda: precise_hosts() == 1, 30, "the router reading the engine's events")
         body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi " * 300}]}
