@@ -7,6 +7,7 @@ counts) and records metrics. It knows nothing of gRPC or of Envoy's messages.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
 from collections import Counter
@@ -101,10 +102,13 @@ class Router:
         self.popularity = PrefixPopularity()
         self.prefill = pending_prefill(config)
         # Shadow mode (``index/shadow.py``): where PREFIX_AWARE would have sent each request,
-        # placed in its own thread. A decision is known to it by its id; a decision ``served``
-        # moved to another endpoint keeps its first one.
+        # placed in its own thread. A request is known to it by a number from ``_tokens``,
+        # kept here beside its decision until it ends, and found by the decision's id():
+        # the decision is held here, so no other object can take that id meanwhile. A
+        # decision ``served`` moved to another endpoint takes over its first one's number.
         self.shadow = new_shadow(config) if config.shadow else None
-        self._moved: dict[int, int] = {}
+        self._tokens = itertools.count()
+        self._shadowed: dict[int, tuple[Decision, int]] = {}
         # Live decisions per host, since start: the share the shadow's is set against.
         self.routed: Counter[str] = Counter()
         self._rng = rng or random.Random()
@@ -164,7 +168,7 @@ class Router:
         if self.shadow is not None:
             self.shadow.stop()
         self.shadow = None
-        self._moved.clear()
+        self._shadowed.clear()
 
     def close(self) -> None:
         """Stop shadow mode's thread (the router is stopping)."""
@@ -341,7 +345,9 @@ class Router:
             assert chain is not None
             hosts = candidates.serving(key.model)
             weights = self.placement_weights(hosts)
-            shadow.place(id(decision), chain, hosts, weights, self._clock())
+            token = next(self._tokens)
+            self._shadowed[id(decision)] = (decision, token)
+            shadow.place(token, chain, hosts, weights, self._clock())
         return Placement(decision, lookup)
 
     def served(self, placement: Placement, endpoint: str) -> Decision:
@@ -356,8 +362,9 @@ class Router:
         self.routed[decision.primary] -= 1
         self.routed[endpoint] += 1
         moved = Decision((endpoint,), decision.outcome, decision.strategy)
-        if self.shadow is not None:
-            self._moved[id(moved)] = self._moved.pop(id(decision), id(decision))
+        shadowed = self._shadowed.pop(id(decision), None)
+        if shadowed is not None:
+            self._shadowed[id(moved)] = (moved, shadowed[1])
         if placement.lookup is not None:
             self.index.record(endpoint, placement.lookup)
             self._count_evictions()
@@ -443,8 +450,9 @@ class Router:
         self._end_shadow(decision)
 
     def _end_shadow(self, decision: Decision) -> None:
-        if self.shadow is not None:
-            self.shadow.release(self._moved.pop(id(decision), id(decision)))
+        shadowed = self._shadowed.pop(id(decision), None)
+        if shadowed is not None and self.shadow is not None:
+            self.shadow.release(shadowed[1])
 
     def hand_off(self, decision: Decision) -> str | None:
         """The decision's stream closes before its request ends.

@@ -8,6 +8,7 @@ round, and the report quotes the median of the rounds, because this machine is n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import sys
@@ -116,137 +117,134 @@ def measure(options: OverheadOptions) -> Measured:
         spec = StackSpec.ephemeral(
             3, sim_args=("--ttft-ms", "0", "--itl-ms", "0"), upstream_host_header=False
         )
-        with LocalStack(spec) as stack:
-            baseline, baseline_url, _ = stack.start_envoy_beside(
-                "envoy-baseline", work, ext_proc=False
+        # Whatever fails, a start or the run, every process started is stopped, the last
+        # started first, and then the stack.
+        with LocalStack(spec) as stack, contextlib.ExitStack() as started:
+            urls, admins, noop = _start_paths(stack, work, started)
+            wait_until(
+                lambda: _ext_proc_host_healthy(admins[FLOOR_PATH]), 30, "the noop processor", noop
             )
-            # The same router behind a second Envoy that streams the body: the router
-            # reads the mode from each stream's first message.
-            streamed, streamed_url, streamed_admin = stack.start_envoy_beside(
-                "envoy-streamed", work, body_mode="streamed"
+            script = wrk.post_script(
+                work / "post.lua",
+                "/v1/chat/completions",
+                chat_bodies(options.distinct_prompts, options.body_bytes),
+                SDK_HEADERS,
             )
-            # A router of two workers, fed by the same control plane, behind a third Envoy.
-            assert spec.control_plane is not None
-            workers_grpc = free_port_run(4)
-            workers_router = start_router(
-                "router-2-workers",
-                work,
-                ("127.0.0.1", workers_grpc),
-                ("127.0.0.1", workers_grpc + 2),
-                spec.control_plane,
-                workers=2,
-            )
-            workers_envoy, workers_url, workers_admin = stack.start_envoy_beside(
-                "envoy-2-workers",
-                work,
-                routers=(("127.0.0.1", workers_grpc), ("127.0.0.1", workers_grpc + 1)),
-            )
-            # The one-process router on asyncio's loop, behind a fourth Envoy.
-            asyncio_grpc, asyncio_metrics = free_ports(2)
-            asyncio_router = start_router(
-                "router-asyncio",
-                work,
-                ("127.0.0.1", asyncio_grpc),
-                ("127.0.0.1", asyncio_metrics),
-                spec.control_plane,
-                settings={"event_loop": "asyncio"},
-            )
-            asyncio_envoy, asyncio_url, asyncio_admin = stack.start_envoy_beside(
-                "envoy-asyncio", work, routers=(("127.0.0.1", asyncio_grpc),)
-            )
-            # The one-process router on a Unix socket, behind a fifth Envoy.
-            socket_path = str(work / "router.sock")
-            (unix_metrics,) = free_ports(1)
-            unix_router = start_router(
-                "router-unix",
-                work,
-                socket_path,
-                ("127.0.0.1", unix_metrics),
-                spec.control_plane,
-            )
-            unix_envoy, unix_url, unix_admin = stack.start_envoy_beside(
-                "envoy-unix", work, routers=(socket_path,)
-            )
-            # The stack's router again, behind a sixth Envoy that forwards fewer headers.
-            headers_envoy, headers_url, headers_admin = stack.start_envoy_beside(
-                "envoy-fewer-headers", work, forward_headers=READ_HEADERS
-            )
-            # The floor: the noop processor behind a seventh Envoy.
-            (noop_grpc,) = free_ports(1)
-            noop = ManagedProcess(
-                "noop-processor",
-                [sys.executable, "-m", "extproc.bench.noop_processor",
-                 "--listen", f"127.0.0.1:{noop_grpc}"],
-                work / "noop-processor.log",
-            ).start()  # fmt: skip
-            noop_envoy, noop_url, noop_admin = stack.start_envoy_beside(
-                "envoy-noop", work, routers=(("127.0.0.1", noop_grpc),)
-            )
-            admins = {
-                FLOOR_PATH: noop_admin,
-                "envoy+router": stack.admin_url,
-                "envoy+router streamed": streamed_admin,
-                "envoy+router 2 workers": workers_admin,
-                "envoy+router asyncio": asyncio_admin,
-                "envoy+router unix": unix_admin,
-                "envoy+router fewer headers": headers_admin,
+            for round_number in range(options.rounds):
+                # Rotate the order each round so no path always runs first.
+                turn = round_number % len(PATHS)
+                order = PATHS[turn:] + PATHS[:turn]
+                for connections in options.concurrencies:
+                    for path in order:
+                        result = wrk.run(urls[path], script, connections, options.duration_s)
+                        log.info(
+                            "bench.sample",
+                            path=path,
+                            c=connections,
+                            round=round_number,
+                            p50_ms=result.p50_ms,
+                            p99_ms=result.p99_ms,
+                            rps=result.requests_per_s,
+                        )
+                        results.setdefault((path, connections), []).append(result)
+            stats = {
+                path: _only(envoy_counters(admin, EXT_PROC_PREFIX), EXT_PROC_STATS)
+                for path, admin in admins.items()
             }
-            try:
-                wait_until(
-                    lambda: _ext_proc_host_healthy(noop_admin), 30, "the noop processor", noop
-                )
-                host, port = spec.backends[0]
-                urls = {
-                    "direct": f"http://{host}:{port}",
-                    "envoy": baseline_url,
-                    "envoy+router": stack.url,
-                    "envoy+router streamed": streamed_url,
-                    "envoy+router 2 workers": workers_url,
-                    "envoy+router asyncio": asyncio_url,
-                    "envoy+router unix": unix_url,
-                    "envoy+router fewer headers": headers_url,
-                    FLOOR_PATH: noop_url,
-                }
-                script = wrk.post_script(
-                    work / "post.lua",
-                    "/v1/chat/completions",
-                    chat_bodies(options.distinct_prompts, options.body_bytes),
-                    SDK_HEADERS,
-                )
-                for round_number in range(options.rounds):
-                    # Rotate the order each round so no path always runs first.
-                    turn = round_number % len(PATHS)
-                    order = PATHS[turn:] + PATHS[:turn]
-                    for connections in options.concurrencies:
-                        for path in order:
-                            result = wrk.run(urls[path], script, connections, options.duration_s)
-                            log.info(
-                                "bench.sample",
-                                path=path,
-                                c=connections,
-                                round=round_number,
-                                p50_ms=result.p50_ms,
-                                p99_ms=result.p99_ms,
-                                rps=result.requests_per_s,
-                            )
-                            results.setdefault((path, connections), []).append(result)
-                stats = {
-                    path: _only(envoy_counters(admin, EXT_PROC_PREFIX), EXT_PROC_STATS)
-                    for path, admin in admins.items()
-                }
-            finally:
-                noop_envoy.stop()
-                noop.stop()
-                headers_envoy.stop()
-                unix_envoy.stop()
-                unix_router.stop()
-                asyncio_envoy.stop()
-                asyncio_router.stop()
-                workers_envoy.stop()
-                workers_router.stop()
-                streamed.stop()
-                baseline.stop()
     return Measured(results, stats)
+
+
+def _start_paths(
+    stack: LocalStack, work: Path, started: contextlib.ExitStack
+) -> tuple[dict[str, str], dict[str, str], ManagedProcess]:
+    """Start every path's processes beside ``stack``, each stopped when ``started`` closes;
+    return each path's URL, each ext_proc path's Envoy admin URL, and the noop processor."""
+
+    def held(process: ManagedProcess) -> ManagedProcess:
+        started.callback(process.stop)
+        return process
+
+    def beside(name: str, **changes: Any) -> tuple[str, str]:
+        """Another Envoy like the stack's, with ``changes``: its URL and admin URL."""
+        envoy, url, admin = stack.start_envoy_beside(name, work, **changes)
+        held(envoy)
+        return url, admin
+
+    control_plane = stack.spec.control_plane
+    assert control_plane is not None
+    baseline_url, _ = beside("envoy-baseline", ext_proc=False)
+    # The same router behind a second Envoy that streams the body: the router reads the
+    # mode from each stream's first message.
+    streamed_url, streamed_admin = beside("envoy-streamed", body_mode="streamed")
+    # A router of two workers, fed by the same control plane, behind a third Envoy.
+    workers_grpc = free_port_run(4)
+    held(
+        start_router(
+            "router-2-workers",
+            work,
+            ("127.0.0.1", workers_grpc),
+            ("127.0.0.1", workers_grpc + 2),
+            control_plane,
+            workers=2,
+        )
+    )
+    workers_url, workers_admin = beside(
+        "envoy-2-workers",
+        routers=(("127.0.0.1", workers_grpc), ("127.0.0.1", workers_grpc + 1)),
+    )
+    # The one-process router on asyncio's loop, behind a fourth Envoy.
+    asyncio_grpc, asyncio_metrics = free_ports(2)
+    held(
+        start_router(
+            "router-asyncio",
+            work,
+            ("127.0.0.1", asyncio_grpc),
+            ("127.0.0.1", asyncio_metrics),
+            control_plane,
+            settings={"event_loop": "asyncio"},
+        )
+    )
+    asyncio_url, asyncio_admin = beside("envoy-asyncio", routers=(("127.0.0.1", asyncio_grpc),))
+    # The one-process router on a Unix socket, behind a fifth Envoy.
+    socket_path = str(work / "router.sock")
+    (unix_metrics,) = free_ports(1)
+    held(start_router("router-unix", work, socket_path, ("127.0.0.1", unix_metrics), control_plane))
+    unix_url, unix_admin = beside("envoy-unix", routers=(socket_path,))
+    # The stack's router again, behind a sixth Envoy that forwards fewer headers.
+    headers_url, headers_admin = beside("envoy-fewer-headers", forward_headers=READ_HEADERS)
+    # The floor: the noop processor behind a seventh Envoy.
+    (noop_grpc,) = free_ports(1)
+    noop = held(
+        ManagedProcess(
+            "noop-processor",
+            [sys.executable, "-m", "extproc.bench.noop_processor",
+             "--listen", f"127.0.0.1:{noop_grpc}"],
+            work / "noop-processor.log",
+        ).start()
+    )  # fmt: skip
+    noop_url, noop_admin = beside("envoy-noop", routers=(("127.0.0.1", noop_grpc),))
+    host, port = stack.spec.backends[0]
+    urls = {
+        "direct": f"http://{host}:{port}",
+        "envoy": baseline_url,
+        "envoy+router": stack.url,
+        "envoy+router streamed": streamed_url,
+        "envoy+router 2 workers": workers_url,
+        "envoy+router asyncio": asyncio_url,
+        "envoy+router unix": unix_url,
+        "envoy+router fewer headers": headers_url,
+        FLOOR_PATH: noop_url,
+    }
+    admins = {
+        FLOOR_PATH: noop_admin,
+        "envoy+router": stack.admin_url,
+        "envoy+router streamed": streamed_admin,
+        "envoy+router 2 workers": workers_admin,
+        "envoy+router asyncio": asyncio_admin,
+        "envoy+router unix": unix_admin,
+        "envoy+router fewer headers": headers_admin,
+    }
+    return urls, admins, noop
 
 
 EXT_PROC_PREFIX = "http.ingress.ext_proc."

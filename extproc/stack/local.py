@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.client
 import json
@@ -13,7 +14,7 @@ import tempfile
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -132,13 +133,25 @@ def start_envoy(name: str, params: BootstrapParams, work_dir: Path) -> ManagedPr
     envoy = ManagedProcess(name, argv, work_dir / f"{name}.log").start()
     admin_host, admin_port = params.admin
     host, port = params.listen
-    wait_until(
-        lambda: http_ok(f"http://{admin_host}:{admin_port}/ready") and tcp_open(host, port),
-        READY_TIMEOUT_S,
-        name,
-        envoy,
-    )
+    with _stopped_on_failure(envoy):
+        wait_until(
+            lambda: http_ok(f"http://{admin_host}:{admin_port}/ready") and tcp_open(host, port),
+            READY_TIMEOUT_S,
+            name,
+            envoy,
+        )
     return envoy
+
+
+@contextlib.contextmanager
+def _stopped_on_failure(process: ManagedProcess) -> Iterator[None]:
+    """Stop ``process`` if what follows its start fails: its caller never gets it back to
+    stop."""
+    try:
+        yield
+    except BaseException:
+        process.stop()
+        raise
 
 
 def start_router(
@@ -165,14 +178,15 @@ def start_router(
     argv = [sys.executable, "-m", "extproc", "router", "--config", str(config)]
     router = ManagedProcess(name, argv, work_dir / f"{name}.log").start()
     host, port = metrics_listen
-    for worker in range(workers):
-        url = f"http://{host}:{port + worker}/metrics"
-        wait_until(
-            functools.partial(_knows_a_fleet, url),
-            READY_TIMEOUT_S,
-            f"{name} worker {worker}",
-            router,
-        )
+    with _stopped_on_failure(router):
+        for worker in range(workers):
+            url = f"http://{host}:{port + worker}/metrics"
+            wait_until(
+                functools.partial(_knows_a_fleet, url),
+                READY_TIMEOUT_S,
+                f"{name} worker {worker}",
+                router,
+            )
     return router
 
 

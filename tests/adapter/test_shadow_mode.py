@@ -12,11 +12,12 @@ import pytest
 from prometheus_client import REGISTRY, generate_latest
 
 from extproc.adapter import routing
-from extproc.adapter.routing import Router
+from extproc.adapter.routing import Placement, Router
 from extproc.adapter.traffic_log import TrafficLog, read_records
 from extproc.config import RouterConfig
 from extproc.control.model import HostLoad
 from extproc.index.shadow import Shadow
+from extproc.picker.decide import Decision
 from extproc.picker.hosts import HostSet
 
 HOSTS = tuple(f"127.0.0.{41 + i}:8000" for i in range(4))
@@ -124,7 +125,40 @@ def test_a_request_counts_on_its_shadow_host_until_it_ends():
     assert sum(shadow_of(r).in_flight.values()) == 2
     r.finish(moved)
     r.finish(decisions[2])
-    assert not shadow_of(r).in_flight and not r._moved
+    assert not shadow_of(r).in_flight and not r._shadowed
+
+
+def test_a_request_keeps_its_shadow_host_when_an_address_is_reused(monkeypatch):
+    # The gateway drops a request's first decision once ``served`` moved it; CPython then
+    # gives that address to the next object of its size. Dropping it just as the next
+    # request is decided makes the next decision take it: each request must still count on
+    # its own shadow host, until it ends.
+    r = router(routing_strategy="RANDOM", shadow=True)
+    decide = routing.decide
+    dropped: list[Placement] = []
+
+    def decide_as_one_is_dropped(*args, **kwargs):  # type: ignore[no-untyped-def]
+        made = decide(*args, **kwargs)
+        dropped.clear()
+        return Decision(made.targets, made.outcome, made.strategy)
+
+    monkeypatch.setattr(routing, "decide", decide_as_one_is_dropped)
+    reused = 0
+    for n in range(10):
+        placement = r.place({}, document(1, n))
+        first = id(placement.decision)
+        other = next(h for h in HOSTS if h != placement.decision.primary)
+        moved = r.served(placement, other)
+        dropped.append(placement)
+        del placement
+        later = r.route({}, document(2, n))
+        reused += id(later) == first
+        assert r.shadow is not None
+        assert sum(shadow_of(r).in_flight.values()) == 2 and r.shadow.pending == 2
+        r.finish(moved)
+        r.finish(later)
+        assert not shadow_of(r).in_flight and not r.shadow.pending
+    assert reused  # the case under test happened
 
 
 def test_a_conversations_next_turn_is_predicted_to_hit_the_reply():

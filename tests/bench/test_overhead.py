@@ -3,10 +3,15 @@
 import json
 import os
 import shutil
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from extproc.bench import overhead
 from extproc.bench.overhead import OverheadOptions, chat_bodies, render, run
+from extproc.stack.local import StackSpec
+from extproc.stack.processes import ManagedProcess, StackError
 
 needs_wrk = pytest.mark.skipif(
     shutil.which("wrk") is None and not os.environ.get("CI"),
@@ -18,6 +23,59 @@ def test_chat_bodies_have_the_exact_size_and_distinct_prompts():
     bodies = chat_bodies(4, 8192)
     assert {len(b) for b in bodies} == {8192}
     assert len(set(bodies)) == 4
+
+
+# Every process measure starts beside its stack, in order.
+STARTS = (
+    "envoy-baseline", "envoy-streamed", "router-2-workers", "envoy-2-workers",
+    "router-asyncio", "envoy-asyncio", "router-unix", "envoy-unix", "envoy-fewer-headers",
+    "noop-processor", "envoy-noop",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("failing", ["envoy-streamed", "router-unix", "envoy-noop"])
+def test_a_failed_start_stops_every_process_started_before_it(tmp_path, monkeypatch, failing):
+    # Each start runs an idle process in place of Envoy, a router or the noop processor,
+    # until ``failing``, whose start raises: nothing started may outlive measure.
+    started: list[ManagedProcess] = []
+
+    def idle(name: str) -> ManagedProcess:
+        if name == failing:
+            raise StackError(f"{name} did not start")
+        process = ManagedProcess(name, ["sleep", "60"], tmp_path / f"{name}.log").start()
+        started.append(process)
+        return process
+
+    class Stack:  # the stack itself: started and stopped by LocalStack, not measure
+        url = admin_url = "http://127.0.0.1:9"
+
+        def __init__(self, spec: StackSpec) -> None:
+            self.spec = spec
+
+        def __enter__(self) -> "Stack":
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def start_envoy_beside(self, name: str, work: Path, **changes: Any) -> Any:
+            return idle(name), self.url, self.admin_url
+
+    class Process(ManagedProcess):
+        def start(self) -> ManagedProcess:
+            return idle(self.name)
+
+    monkeypatch.setattr(overhead, "LocalStack", Stack)
+    monkeypatch.setattr(overhead, "start_router", lambda name, *args, **kwargs: idle(name))
+    monkeypatch.setattr(overhead, "ManagedProcess", Process)
+    try:
+        with pytest.raises(StackError, match=f"{failing} did not start"):
+            overhead.measure(OverheadOptions(out_dir=tmp_path))
+        assert [p.name for p in started] == list(STARTS[: STARTS.index(failing)])
+        assert all(p.popen is not None and p.popen.poll() is not None for p in started)
+    finally:
+        for process in started:
+            process.kill()
 
 
 @needs_wrk
