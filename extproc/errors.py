@@ -43,3 +43,17 @@ class StreamAborted(RouterError):
 class ReplayError(RouterError):
     """A traffic log cannot be replayed as asked (no records, a block size it cannot
     give). The CLI maps it to exit code 1."""
+
+
+class MissingExtraError(RouterError):
+    """A command needs a module that an optional extra of the package installs, and that
+    extra is not installed (``bench``: the benchmarks and ``replay --out``). The message
+    names the module and the pip command; the CLI maps it to exit code 1."""
+
+    def __init__(self, module: str, extra: str, needed_by: str) -> None:
+        self.module = module
+        self.extra = extra
+        super().__init__(
+            f"{needed_by} needs {module}, which is not installed: "
+            f"pip install 'envoy-prefix-router[{extra}]'"
+        )

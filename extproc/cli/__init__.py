@@ -21,7 +21,7 @@ from extproc.cli import (
     sim,
     up,
 )
-from extproc.cli.common import EXIT_USAGE
+from extproc.cli.common import EXIT_USAGE, require_extra
 from extproc.errors import ConfigError, RouterError
 
 __all__ = ["EXIT_USAGE", "build_parser", "main", "parse_args"]
@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prefix-router: {refusal}", file=sys.stderr)
         return EXIT_USAGE
     try:
+        # A command that needs an optional extra (``bench``) says so before it starts.
+        extra = vars(args).get("needs_extra")
+        if extra is not None:
+            require_extra(extra, args.command)
         return int(args.handler(args))
     except ConfigError as error:
         print(f"prefix-router: {error}", file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import socket
 import sys
 import urllib.parse
@@ -11,11 +12,17 @@ from enum import Enum
 from typing import Any, TypeAlias
 
 from extproc.config import StreamEnd
+from extproc.errors import MissingExtraError
 from extproc.picker.decide import Strategy
 from extproc.picker.hosts import parse_host_address
 from extproc.picker.keys import KeyMode
 
 EXIT_USAGE = 2
+# The modules each optional extra of pyproject.toml installs that our commands import (the
+# extra's other packages are programs the benchmarks run when they are there). A command
+# that needs an extra looks for them before it starts (``require_extra``), so a base
+# install names what to install instead of ending in a traceback, maybe half-way through.
+EXTRAS: dict[str, tuple[str, ...]] = {"bench": ("httpx", "matplotlib")}
 # What ``add_subparsers`` returns; each command module's ``register`` adds its parser to it.
 Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
@@ -82,6 +89,22 @@ def backend_url(text: str) -> tuple[str, int]:
     except socket.gaierror as error:
         raise argparse.ArgumentTypeError(f"{text!r}: cannot resolve ({error})") from None
     return str(address[0][4][0]), port
+
+
+def require_extra(extra: str, needed_by: str, modules: tuple[str, ...] | None = None) -> None:
+    """Raise ``MissingExtraError`` for the first of ``modules`` (default: all of ``extra``'s)
+    that is not installed; ``needed_by`` (the command) starts the message."""
+    for module in EXTRAS[extra] if modules is None else modules:
+        if not _installed(module):
+            raise MissingExtraError(module, extra, needed_by)
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # imported already, by something that left it no __spec__
+        return True
 
 
 def usage_error(command: str, message: str) -> int:

@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from extproc.cli.common import Commands, host_address
+from extproc.cli.common import Commands, host_address, require_extra
 from extproc.replay.configs import STRATEGIES, Grid
 from extproc.replay.report import MAX_BUSIEST_RATIO
 
@@ -111,6 +111,8 @@ def register(commands: Commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.out is not None:  # the stored run's plot: before the replay, not after it
+        require_extra("bench", "replay --out", ("matplotlib",))
     from extproc.bench import report as bench_report
     from extproc.config import load_config
     from extproc.replay.replayer import ServiceModel

@@ -81,3 +81,20 @@ def test_an_absent_log_exits_1_with_its_path(tmp_path):
     )
     assert done.returncode == 1
     assert f"no traffic log at {tmp_path / 'none.log'}" in done.stderr
+
+
+def test_out_without_the_bench_extra_names_it_before_replaying(log, capsys, monkeypatch, tmp_path):
+    """The stored run's plot needs matplotlib ([bench]); without it, ``--out`` stops at once
+    with one line naming what to install, and the table alone still works."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    argv = ["replay", str(log), "--instances", "3", "--cache-tokens", "50000"]
+    out = tmp_path / "out"
+    assert cli.main([*argv, "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        "prefix-router: replay --out needs matplotlib, which is not installed: "
+        "pip install 'envoy-prefix-router[bench]'\n"
+    )
+    assert not out.exists()
+    assert cli.main(argv) == 0
+    assert "(recommended)" in capsys.readouterr().out

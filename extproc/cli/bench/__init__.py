@@ -35,6 +35,8 @@ def register(commands: Commands) -> None:
         "report. `prefix-router bench WORKLOAD --help` lists the flags WORKLOAD takes; the "
         "form `prefix-router bench --workload WORKLOAD [flags]` works too.",
     )
+    # Every workload, and render (the plots), needs the bench extra; ``main`` checks for it.
+    parser.set_defaults(needs_extra="bench")
     workloads = parser.add_subparsers(
         dest="workload", required=True, metavar="WORKLOAD", title="workloads"
     )
