@@ -155,7 +155,7 @@ def measure_cost(options: PrefixIndexOptions, block_bytes: int, hosts_count: int
             lambda: decide_prefix(lookup, heat, hosts, loads, {}, policy, 2, queued), n
         ),
         record_us=_median_us(lambda: index.record(addresses[0], lookup), n),
-        popularity_us=_median_us(lambda: popularity.observe(blocks.counted), n),
+        popularity_us=_median_us(lambda: popularity.observe_prompt(blocks), n),
         queue_us=_median_us(queue_step, n),
     )
 

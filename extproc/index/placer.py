@@ -59,7 +59,7 @@ def place_longest(
         prefill.snapshot(now) if prefill is not None else None,
     )
     index.record(decision.primary, lookup)
-    popularity.observe(blocks.counted)
+    popularity.observe_prompt(blocks)
     matched = lookup.depth_on(decision.primary) * blocks.block_bytes
     if prefill is not None and blocks.length:
         prefill.add(decision.primary, blocks.length - matched, now)

@@ -106,3 +106,39 @@ def test_a_hot_document_after_a_shared_preamble_knows_what_it_continues():
     heat = heat_of(popularity, blocks_of(0, 999), hosts=7, hot_factor=1.0)
     assert heat.depth == len(document(0)) and heat.replicas == 3
     assert heat.parent_depth == 4  # the preamble: where document 0 lived while cold
+
+
+def test_a_new_prompt_branching_off_a_shared_prefix_takes_it_as_shared_at_once():
+    popularity = PrefixPopularity()
+    popularity.observe_prompt(blocks_of(0))
+    # The second document after the preamble: the preamble was carried on past by the
+    # first, so this one branches off it, long before a count could be hot.
+    heat = heat_of(popularity, blocks_of(1), hosts=3, hot_factor=1.0)
+    assert heat.depth == 4 and heat.replicas == 3 and not heat.repeated
+    assert popularity.branch_depth(blocks_of(1).hashes) == 4
+
+
+def test_a_prompt_that_goes_on_where_an_earlier_one_ended_is_no_branch():
+    popularity = PrefixPopularity()
+    first = blocks_of(0)
+    popularity.observe_prompt(first)
+    # The next turn: the whole earlier prompt and more. Nobody went on past its last
+    # block before, so it continues that prompt; it does not branch off a shared one.
+    following = prompt_blocks(first.key + b"r" * 64 * 3, 64, 0)
+    assert popularity.branch_depth(following.hashes) == 0
+    assert heat_of(popularity, following, hosts=3, hot_factor=1.0).depth == 0
+    # Another question on the same document, inside its last partial block: no block of
+    # its own past what was seen, so no branch either.
+    assert heat_of(popularity, blocks_of(0, 7), hosts=3, hot_factor=1.0).depth == 0
+
+
+def test_a_branch_of_a_small_share_of_the_traffic_stays_with_its_holder():
+    popularity = PrefixPopularity()
+    own = b"o" * 64 * 4
+    popularity.observe_prompt(prompt_blocks(own + b"a" * 64 * 2, 64, 0))
+    for n in range(40):
+        popularity.observe_prompt(blocks_of(n))
+    branching = prompt_blocks(own + b"b" * 64 * 2, 64, 0)
+    assert popularity.branch_depth(branching.hashes) == 4
+    # 1 of 41 requests: less than one host's share, so nothing to spread.
+    assert heat_of(popularity, branching, hosts=3, hot_factor=1.0).depth == 0
