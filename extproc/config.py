@@ -145,6 +145,7 @@ class RouterConfig(FrozenModel):
         "its events, so every router process and replica sees the same caches. Hosts that "
         "publish nothing, or whose stream is silent, keep the approximate index.",
         True,
+        restart=True,
     )
     kv_events_speculative_ttl_s: Number = described(
         "kv_events: how long a decision counts as cached on its host before an event "
@@ -152,6 +153,7 @@ class RouterConfig(FrozenModel):
         10.0,
         ge=0.5,
         le=300,
+        restart=True,
     )
     kv_events_silent_after_s: Number = described(
         "kv_events: a host whose publisher neither sends an event nor answers a replay "
@@ -159,6 +161,7 @@ class RouterConfig(FrozenModel):
         10.0,
         ge=1,
         le=300,
+        restart=True,
     )
     kv_events_tokenizer: AbsolutePath | None = described(
         "kv_events: a tokenizer.json (or the model directory holding it) to decode the "
@@ -167,6 +170,7 @@ class RouterConfig(FrozenModel):
         "find it.",
         None,
         allowed="an absolute path, or null",
+        restart=True,
     )
     hot_prefix_factor: Number = described(
         "prefix_match longest: a prefix carried by more than this multiple of one "
@@ -238,11 +242,13 @@ class RouterConfig(FrozenModel):
         "The control plane's xDS address; the host set and the load feed come from it.",
         None,
         allowed="ip:port",
+        restart=True,
     )
     cluster: Name = described(
         "The cluster (EDS resource) the control plane publishes the fleet as.",
         "vllm",
         allowed="a non-empty name",
+        restart=True,
     )
     load_feed_max_age_s: Number = described(
         "A load feed older than this is ignored, and overflow uses this router's own "
@@ -294,6 +300,7 @@ class RouterConfig(FrozenModel):
         "is eligible); the served endpoint the gateway reports corrects the accounting. "
         "`prefix-router epp` turns it on (docs/kubernetes.md).",
         False,
+        restart=True,
     )
     epp_endpoint_list: StrictBool = described(
         "In epp mode, send the ordered list of 1 + failover_hosts endpoints instead of one "
@@ -312,6 +319,7 @@ class RouterConfig(FrozenModel):
         "9003. The listen address serves health too. null: none.",
         None,
         allowed="ip:port",
+        restart=True,
     )
     shadow: StrictBool = described(
         "Shadow mode: whatever the strategy, also compute where PREFIX_AWARE by longest "
@@ -328,12 +336,14 @@ class RouterConfig(FrozenModel):
         "each strategy and setting would get. null: no log.",
         None,
         allowed="an absolute file path",
+        restart=True,
     )
     traffic_log_max_bytes: StrictInt = described(
         "The traffic log's file is rotated at this size.",
         64 * 1024 * 1024,
         ge=1024 * 1024,
         le=64 * 1024 * 1024 * 1024,
+        restart=True,
     )
     traffic_log_files: StrictInt = described(
         "Files the traffic log keeps, the current one included: it never holds more than "
@@ -341,17 +351,20 @@ class RouterConfig(FrozenModel):
         8,
         ge=2,
         le=1000,
+        restart=True,
     )
     listen: ListenAddress = described(
         "The gRPC (ext_proc) address: ip:port, or a Unix socket (unix:/absolute/path) for "
         "an Envoy on the same machine or in the same pod (a shared volume).",
         ports.loopback(ports.ROUTER_GRPC),
         allowed="ip:port or unix:/absolute/path",
+        restart=True,
     )
     metrics_listen: Address = described(
         "The Prometheus metrics address.",
         ports.loopback(ports.ROUTER_METRICS),
         allowed="ip:port",
+        restart=True,
     )
     workers: StrictInt = described(
         "Router processes. grpc.aio serves from one core, so a router per core multiplies "
@@ -362,11 +375,13 @@ class RouterConfig(FrozenModel):
         1,
         ge=1,
         le=64,
+        restart=True,
     )
     event_loop: EventLoop = described(
         "The event loop the router runs on: uvloop (libuv), or asyncio's own. The Levers "
         "table of docs/benchmarks/overhead.md measures one against the other.",
         EventLoop.UVLOOP,
+        restart=True,
     )
     drain_timeout_s: Number = described(
         "On SIGTERM, how long open ext_proc streams may take to finish before they are "
@@ -385,9 +400,13 @@ class RouterConfig(FrozenModel):
         "listen only: a Unix socket is guarded by its file permissions. null: plaintext.",
         None,
         allowed=PEM_FILE,
+        restart=True,
     )
     tls_key_file: PemFile | None = described(
-        "The private key of tls_cert_file, PEM.", None, allowed=PEM_FILE
+        "The private key of tls_cert_file, PEM.",
+        None,
+        allowed=PEM_FILE,
+        restart=True,
     )
     tls_client_ca_file: PemFile | None = described(
         "mTLS on listen: the CA certificates a client's certificate must chain to. Set, "
@@ -396,6 +415,7 @@ class RouterConfig(FrozenModel):
         "Envoy its certificate). Needs tls_cert_file.",
         None,
         allowed=PEM_FILE,
+        restart=True,
     )
     control_plane_ca_file: PemFile | None = described(
         "TLS to the control plane: the CA certificates its certificate must chain to. "
@@ -403,6 +423,7 @@ class RouterConfig(FrozenModel):
         "control_plane_server_name. null: plaintext.",
         None,
         allowed=PEM_FILE,
+        restart=True,
     )
     control_plane_cert_file: PemFile | None = described(
         "mTLS to the control plane: the certificate chain this router presents (signed by "
@@ -410,15 +431,20 @@ class RouterConfig(FrozenModel):
         "Needs control_plane_ca_file.",
         None,
         allowed=PEM_FILE,
+        restart=True,
     )
     control_plane_key_file: PemFile | None = described(
-        "The private key of control_plane_cert_file, PEM.", None, allowed=PEM_FILE
+        "The private key of control_plane_cert_file, PEM.",
+        None,
+        allowed=PEM_FILE,
+        restart=True,
     )
     control_plane_server_name: Name | None = described(
         "The DNS name the control plane's certificate must carry (and the TLS server "
         "name sent), when it names a host rather than control_plane's IP.",
         None,
         allowed="a DNS name",
+        restart=True,
     )
     log_level: LogLevel = described("The lowest level logged.", "info")
 

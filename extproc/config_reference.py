@@ -21,7 +21,7 @@ from pydantic.fields import FieldInfo
 
 from extproc.config import ENV_PREFIX, RouterConfig
 from extproc.control.config import ControlPlaneConfig
-from extproc.schema import base_type, choice_values, range_text
+from extproc.schema import base_type, choice_values, needs_restart, range_text
 
 # The files each schema checks, by the name ``config-schema`` takes.
 SCHEMAS: dict[str, type[BaseModel]] = {"router": RouterConfig, "control-plane": ControlPlaneConfig}
@@ -134,7 +134,10 @@ def _rows(model: type[BaseModel], prefix: str = "", env: bool = False) -> Iterat
         ]
         if env:
             cells.append(f"`{ENV_PREFIX}{name.upper()}`")
-        cells.append(field.description)
+        description = field.description
+        if needs_restart(field):
+            description += " Restart to change: a reload keeps the running value."
+        cells.append(description)
         yield "| " + " | ".join(_cell(c) for c in cells) + " |"
 
 

@@ -182,14 +182,18 @@ def described(
     *,
     allowed: str | None = None,
     at_most: str | None = None,
+    restart: bool = False,
     **kwargs: Any,
 ) -> Any:
     """A field's description; ``allowed`` says in words what no type states (ip:port),
     and ``at_most`` names a sibling field whose value bounds this one (a timeout within
-    its interval: the model checks it with ``check_at_most``)."""
+    its interval: the model checks it with ``check_at_most``). ``restart``: a running
+    process keeps the value it started with, and a reload of the file leaves it alone
+    (``restart_fields``)."""
     extra: dict[str, Any] = {
         **({"x-allowed": allowed} if allowed else {}),
         **({"x-at-most": at_most} if at_most else {}),
+        **({"x-restart": True} if restart else {}),
     }
     return Field(default, description=text, json_schema_extra=extra or None, **kwargs)
 
@@ -271,6 +275,18 @@ def bounds(field: FieldInfo) -> tuple[float, float] | None:
         elif isinstance(item, annotated_types.Le):
             high = item.le
     return None if low is None or high is None else (low, high)  # type: ignore[return-value]
+
+
+def needs_restart(field: FieldInfo) -> bool:
+    """Whether a running process keeps the value it started with (``described(restart=)``)."""
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and extra.get("x-restart") is True
+
+
+def restart_fields(model: type[BaseModel]) -> tuple[str, ...]:
+    """The fields of ``model`` that only a restart changes: the one list a config reload
+    checks against."""
+    return tuple(name for name, field in model.model_fields.items() if needs_restart(field))
 
 
 def sibling_bound(field: FieldInfo) -> str | None:

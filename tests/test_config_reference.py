@@ -15,7 +15,7 @@ from extproc.config import ENV_PREFIX, LOG_LEVELS, RouterConfig
 from extproc.config_reference import SCHEMAS, json_schema, json_schema_text, render, sections
 from extproc.control.config import ControlPlaneConfig, HealthSettings, LoadFeedSettings
 from extproc.errors import ConfigError
-from extproc.schema import bounds, sibling_bound, validated
+from extproc.schema import bounds, restart_fields, sibling_bound, validated
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 REFERENCE = DOCS / "configuration.md"
@@ -141,3 +141,16 @@ def test_schema_rejects_unknown_fields_and_names_the_enums():
 def test_cli_prints_the_schema(name, capsys):
     assert main(["config-schema", name]) == 0
     assert capsys.readouterr().out == json_schema_text(name)
+
+
+def test_the_reference_says_which_fields_need_a_restart():
+    # One list per config, from the fields' declarations: what a reload keeps is what the
+    # reference tells the reader to restart for.
+    router_part, control_part = render().split("## Control plane", 1)
+    control_part = control_part.split("### ", 1)[0]
+    for model, text in ((RouterConfig, router_part), (ControlPlaneConfig, control_part)):
+        fields = restart_fields(model)
+        assert "listen" in fields and "tls_cert_file" in fields
+        for name in model.model_fields:
+            (row,) = [line for line in text.splitlines() if line.startswith(f"| `{name}` |")]
+            assert ("Restart to change" in row) == (name in fields), (model.__name__, name)

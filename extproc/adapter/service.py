@@ -31,7 +31,7 @@ from extproc.config import EventLoop, PrefixMatch, RouterConfig, StreamEnd, load
 from extproc.errors import ConfigError, StreamAborted
 from extproc.filewatch import FileWatcher
 from extproc.picker.hosts import HostSet
-from extproc.schema import socket_path
+from extproc.schema import restart_fields, socket_path
 
 log = structlog.get_logger("server")
 
@@ -181,32 +181,8 @@ class ConfigReloader:
     rejected with a log line and the old config stays. Addresses need a restart.
     """
 
-    RESTART_FIELDS = (
-        "listen",
-        "metrics_listen",
-        "control_plane",
-        "cluster",
-        "workers",
-        "event_loop",
-        "epp",
-        "health_listen",
-        "traffic_log",
-        "traffic_log_max_bytes",
-        "traffic_log_files",
-        # The event streams are set up at start.
-        "kv_events",
-        "kv_events_speculative_ttl_s",
-        "kv_events_silent_after_s",
-        "kv_events_tokenizer",
-        # The TLS files are read at start.
-        "tls_cert_file",
-        "tls_key_file",
-        "tls_client_ca_file",
-        "control_plane_ca_file",
-        "control_plane_cert_file",
-        "control_plane_key_file",
-        "control_plane_server_name",
-    )
+    # Marked ``restart=True`` where RouterConfig declares them.
+    RESTART_FIELDS = restart_fields(RouterConfig)
 
     def __init__(self, router: Router, path: Path, overrides: Mapping[str, Any]) -> None:
         self._router = router

@@ -102,16 +102,19 @@ class ControlPlaneConfig(FrozenModel):
         "The xDS address (ADS and plain EDS).",
         ports.loopback(ports.CONTROL_PLANE_XDS),
         allowed="ip:port",
+        restart=True,
     )
     metrics_listen: Address = described(
         "The Prometheus metrics address.",
         ports.loopback(ports.CONTROL_PLANE_METRICS),
         allowed="ip:port",
+        restart=True,
     )
     cluster: Name = described(
         "The Envoy cluster (and EDS resource) the fleet is published as.",
         "vllm",
         allowed="a non-empty name",
+        restart=True,
     )
     hosts: tuple[Address, ...] = described(
         "Static discovery: the vLLM hosts. Edits apply without a restart.",
@@ -135,11 +138,14 @@ class ControlPlaneConfig(FrozenModel):
         allowed="ip:port: zone name",
     )
     health: HealthSettings = described(
-        "Health checking; see below.", default_factory=HealthSettings
+        "Health checking; see below.",
+        default_factory=HealthSettings,
+        restart=True,
     )
     load_feed: LoadFeedSettings = described(
         "The load feed scraped from vLLM's /metrics; see below.",
         default_factory=LoadFeedSettings,
+        restart=True,
     )
     tls_cert_file: PemFile | None = described(
         "TLS on listen (xDS to Envoy and to the routers): the certificate chain this "
@@ -148,9 +154,13 @@ class ControlPlaneConfig(FrozenModel):
         "plaintext.",
         None,
         allowed=PEM_FILE,
+        restart=True,
     )
     tls_key_file: PemFile | None = described(
-        "The private key of tls_cert_file, PEM.", None, allowed=PEM_FILE
+        "The private key of tls_cert_file, PEM.",
+        None,
+        allowed=PEM_FILE,
+        restart=True,
     )
     tls_client_ca_file: PemFile | None = described(
         "mTLS on listen: the CA certificates a client's certificate must chain to. Set, "
@@ -158,6 +168,7 @@ class ControlPlaneConfig(FrozenModel):
         "not sign, is refused in the TLS handshake. Needs tls_cert_file.",
         None,
         allowed=PEM_FILE,
+        restart=True,
     )
     log_level: LogLevel = described(
         "The lowest level logged.",

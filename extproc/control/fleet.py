@@ -25,22 +25,14 @@ from extproc.control.rounds import sleep_unless_stopped
 from extproc.control.snapshot import FleetSnapshot, LoadSnapshot, PublishedHost, SnapshotStore
 from extproc.errors import ConfigError
 from extproc.filewatch import FileWatcher
+from extproc.schema import restart_fields
 
 log = structlog.get_logger("fleet")
 
 
-# Fields a running control plane cannot change: its addresses, its loops' timing, and
-# the TLS files it read at start.
-RESTART_FIELDS = (
-    "listen",
-    "metrics_listen",
-    "cluster",
-    "health",
-    "load_feed",
-    "tls_cert_file",
-    "tls_key_file",
-    "tls_client_ca_file",
-)
+# Fields a running control plane cannot change (its addresses, its loops' timing, the TLS
+# files it read at start): marked ``restart=True`` where the config declares them.
+RESTART_FIELDS = restart_fields(ControlPlaneConfig)
 
 
 def build_fleet(config: ControlPlaneConfig, states: Mapping[str, HostHealth]) -> FleetSnapshot:
