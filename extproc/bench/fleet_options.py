@@ -18,6 +18,9 @@ from extproc.bench.fleet_paths import (
 )
 from extproc.bench.workloads import WorkloadSpec
 
+# Each simulated instance's KV cache, in blocks of 16 tokens.
+CAPACITY_BLOCKS = 4000
+
 
 @dataclass(frozen=True)
 class FleetBenchOptions:
@@ -26,7 +29,7 @@ class FleetBenchOptions:
     time_scale: float = 1.0
     # About 7.8 documents of 8k tokens per instance: the fleet holds the working set only
     # if placement keeps each document on few instances.
-    sim_args: tuple[str, ...] = ("--capacity-blocks", "4000")
+    sim_args: tuple[str, ...] = ("--capacity-blocks", str(CAPACITY_BLOCKS))
     concurrency_threshold: int = 32
     prefix_length: int = 8192
     paths: tuple[str, ...] = (*OUR_STRATEGIES, FIXED, TWO_REPLICAS, RING_HASH, *PEERS)
@@ -67,9 +70,16 @@ def default_paths(workload: str) -> tuple[str, ...]:
 HOT_SPOT_SIM_ARGS = ("--max-num-seqs", "16")
 
 
-def default_sim_args(workload: str) -> tuple[str, ...]:
+def default_sim_args(workload: str, capacity_blocks: int | None = None) -> tuple[str, ...]:
+    """The simulators' arguments for ``workload``; ``capacity_blocks`` replaces the default
+    cache size (a fleet whose caches cannot hold the working set)."""
     extra = HOT_SPOT_SIM_ARGS if workload == "hot-spot" else ()
-    return (*FleetBenchOptions.sim_args, *extra)
+    base = FleetBenchOptions.sim_args
+    if capacity_blocks is not None:
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be at least 1, not {capacity_blocks}")
+        base = ("--capacity-blocks", str(capacity_blocks))
+    return (*base, *extra)
 
 
 def simulator_args(options: FleetBenchOptions) -> list[str]:

@@ -33,6 +33,7 @@ FIXED = "PREFIX_AWARE-fixed"
 REPLICAS_REPORTS = (
     ("replicas-long-context", "long-context"),
     ("replicas-conversations", "conversations"),
+    ("replicas-long-context-small-caches", "long-context, caches smaller than the working set"),
 )
 REPLICA_PATHS = (
     (TWO_REPLICAS, TWO_REPLICAS_APPROXIMATE),

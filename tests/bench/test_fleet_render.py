@@ -408,3 +408,13 @@ def test_write_report_stores_the_run_then_renders_what_it_stored(tmp_path):
     assert [path_result(r) for r in document["results"]] == results
     assert path.read_text() == fleet_render.render_report(document)
     assert (tmp_path / "stored-ttft.png").exists() and (tmp_path / "stored-share.png").exists()
+
+
+def test_the_simulators_cache_size_can_be_set_below_the_working_set():
+    assert fleet.default_sim_args("long-context") == ("--capacity-blocks", "4000")
+    assert fleet.default_sim_args("long-context", 1500) == ("--capacity-blocks", "1500")
+    # The hot spot keeps its own arguments beside a smaller cache.
+    assert fleet.default_sim_args("hot-spot", 1500)[:2] == ("--capacity-blocks", "1500")
+    assert "--max-num-seqs" in fleet.default_sim_args("hot-spot", 1500)
+    with pytest.raises(ValueError, match="capacity_blocks"):
+        fleet.default_sim_args("long-context", 0)

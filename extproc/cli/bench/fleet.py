@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import get_args
 
+from extproc.bench.fleet_options import CAPACITY_BLOCKS
 from extproc.bench.workloads import WorkloadName
 from extproc.cli.bench.workload import (
     Workload,
@@ -48,6 +49,14 @@ def fleet_flags(parser: argparse.ArgumentParser) -> None:
         "(0: skip; default 0)",
     )
     parser.add_argument(
+        "--capacity-blocks",
+        type=int,
+        default=None,
+        help="each simulated instance's KV cache, in 16-token blocks (default "
+        f"{CAPACITY_BLOCKS}; smaller than the working set: a fleet whose caches "
+        "cannot hold it)",
+    )
+    parser.add_argument(
         "--prefix-length",
         type=int,
         default=8192,
@@ -74,7 +83,7 @@ def run_fleet(args: argparse.Namespace) -> int:
             out_dir=args.out,
             command=command_line(args),
             paths=split_paths(args.paths) if args.paths else fleet.default_paths(args.workload),
-            sim_args=fleet.default_sim_args(args.workload),
+            sim_args=fleet.default_sim_args(args.workload, args.capacity_blocks),
             overhead_probes=args.overhead_probes,
             closed_loop_concurrency=args.closed_loop,
             closed_loop_requests=24 if args.quick else 300,
