@@ -241,6 +241,13 @@ class KvEventsFeed:
             return chain_seed(lora or base, salt)
 
         capacity = self._index.capacity_tokens(host)
+        speculative = self._index.speculative_of(host)
+        view: PreciseHost | None = None
+
+        def stored(router_hashes: tuple[int, ...]) -> None:
+            if view is not None:
+                view.confirm(router_hashes)
+
         mirror = HostMirror(
             self._index.sizing.block_bytes,
             decoder,
@@ -248,10 +255,11 @@ class KvEventsFeed:
             max(1024, int(capacity * _ENGINE_BLOCKS_PER_TOKEN)),
             # A key is at most match_depth_chars characters, 4 bytes each at most.
             max_key_bytes=4 * self._config.match_depth_chars,
+            on_stored=stored,
         )
         self._mirrors[host] = mirror
         self._discovered[host] = found
-        view = PreciseHost(mirror, self._index.speculative_of(host))
+        view = PreciseHost(mirror, speculative)
         self._index.set_precise(host, view)
         self._state[host] = HostState.PRECISE
         log.info("kv_events_subscribed", host=host, sources=len(found.sources), model=base)

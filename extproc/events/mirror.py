@@ -95,6 +95,7 @@ class HostMirror:
         max_engine_blocks: int,
         group_idx: int = 0,
         max_key_bytes: int | None = None,
+        on_stored: Callable[[tuple[int, ...]], object] | None = None,
     ) -> None:
         if block_bytes < 1 or max_engine_blocks < 1:
             raise ValueError("block_bytes and max_engine_blocks must be positive")
@@ -107,6 +108,9 @@ class HostMirror:
         # bytes of key text an engine block is remembered, but not decoded or hashed, so a
         # prompt of megabytes costs what its first part does.
         self._max_key_bytes = max_key_bytes
+        # Told the router blocks each stored engine block completes (the precise view
+        # ends their speculation).
+        self._on_stored = on_stored
         # Engine hash -> state after it, least recently stored first. An OrderedDict: a
         # plain dict popped from the front leaves holes that every later next(iter())
         # walks over, which made eviction quadratic.
@@ -240,6 +244,8 @@ class HostMirror:
         return hashes[-1], data[len(hashes) * self._block_bytes :], hashes
 
     def _hold(self, router_hashes: tuple[int, ...]) -> int:
+        if self._on_stored is not None:
+            self._on_stored(router_hashes)
         held, gained = self._held, 0
         for router_hash in router_hashes:
             holders = held.get(router_hash, 0)

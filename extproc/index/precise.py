@@ -4,9 +4,14 @@ router has just sent it and the events have not confirmed yet.
 An engine publishes ``BlockStored`` once it has computed a prompt's blocks, a moment after
 the router decided. A burst of one new prompt must not scatter in that moment, so every
 decision is recorded at once as *speculative* blocks with a time to live
-(``kv_events_speculative_ttl_s``). An event that stores the same blocks confirms them; a
-speculative block no event confirmed before its TTL was never cached (the request failed,
-or its tail was a partial engine block, which vLLM does not store) and stops counting.
+(``kv_events_speculative_ttl_s``), those the engine holds already excepted. An event that
+stores the same blocks confirms them, and ends their speculation: from then on the
+engine's events alone say whether they are held, so an eviction a second later counts at
+once (a speculative entry that outlived it sent the prompt's next requests to a host that
+had dropped it, while router replicas that had not sent it there placed it again
+elsewhere). A speculative block no event confirmed before its TTL was never cached (the
+request failed, or its tail was a partial engine block, which vLLM does not store) and
+stops counting.
 
 The events themselves come through ``extproc/events/`` (``HostMirror``: the engine's blocks
 mapped onto the router's text blocks). Every router process subscribes to every engine,
@@ -69,6 +74,13 @@ class SpeculativeBlocks:
         while len(expiry) > self.max_blocks:
             expiry.popitem(last=False)
 
+    def discard(self, hashes: Sequence[int]) -> int:
+        """Drop ``hashes`` (the engine confirmed them); returns how many were here."""
+        expiry, dropped = self._expiry, 0
+        for block in hashes:
+            dropped += expiry.pop(block, None) is not None
+        return dropped
+
     def expire(self, now: float) -> list[int]:
         """Drop and return the blocks whose time ran out."""
         expired, expiry = [], self._expiry
@@ -110,8 +122,16 @@ class PreciseHost:
         return depth
 
     def record(self, hashes: Sequence[int], now: float) -> None:
-        self.stats.recorded += len(hashes)
-        self.speculative.record(hashes, now)
+        """This router sent ``hashes`` here: speculative until the engine confirms them,
+        but for those it holds already, which its events go on answering for."""
+        confirmed = self.confirmed
+        new = [block for block in hashes if block not in confirmed]
+        self.stats.recorded += len(new)
+        self.speculative.record(new, now)
+
+    def confirm(self, hashes: Sequence[int]) -> None:
+        """The engine stored ``hashes``: their speculation is over."""
+        self.stats.confirmed += self.speculative.discard(hashes)
 
     def expire(self, now: float) -> None:
         for block in self.speculative.expire(now):

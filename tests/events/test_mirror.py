@@ -554,3 +554,22 @@ def test_nothing_past_the_deepest_key_is_decoded_or_held():
     assert capped.matched_depth(hashes) < 10  # the event crossing the cap is decoded whole
     assert capped.stats.unmapped == 0
     assert capped.stats.stored == len(tokens) // 64
+
+
+def test_the_mirror_names_each_router_block_a_stored_engine_block_completes():
+    body = BODIES[0]
+    tokens = [ord(char) for char in prompt_text("chat", body)]
+    events = engine_events(tokens, 64, splits=(3, 4, 20))
+    told: list[int] = []
+    mirror = HostMirror(
+        BLOCK_BYTES,
+        CodepointDecoder(),
+        lambda lora, salt: chain_seed(lora or MODEL, salt),
+        10**6,
+        on_stored=told.extend,
+    )
+    for event in events:
+        mirror.stored(event)
+    # Every router block the events made held, each once: what ends its speculation.
+    assert sorted(told) == sorted(set(told)) and set(told) == {h for h in told if h in mirror}
+    assert len(told) == len(mirror) > 3

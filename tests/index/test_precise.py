@@ -124,3 +124,32 @@ def test_a_decision_made_before_the_hosts_events_are_read_still_counts():
     index.record(A, index.lookup(prompt, [A, B]))
     index.set_precise(A, PreciseHost(set(), index.speculative_of(A)))
     assert dict(index.lookup(prompt, [A, B]).matched) == {A: 8}
+
+
+def test_an_eviction_after_the_engine_confirmed_a_decision_counts_at_once():
+    clock = Clock()
+    index, views = index_with_views(clock, ttl_s=10.0)
+    prompt = doc(4)
+    index.record(A, index.lookup(prompt, [A, B]))
+    confirmed = views[A].confirmed
+    confirmed.update(prompt.hashes)  # type: ignore[attr-defined]
+    views[A].confirm(prompt.hashes)  # the BlockStored events
+    assert len(views[A].speculative) == 0 and views[A].stats.confirmed == 8
+    clock.now += 1
+    # The engine evicts the prompt's last four blocks a second later (BlockRemoved): the
+    # router knows at once, not when the decision's speculation would have run out.
+    confirmed.difference_update(prompt.hashes[4:])  # type: ignore[attr-defined]
+    assert dict(index.lookup(prompt, [A, B]).matched) == {A: 4}
+
+
+def test_a_decision_for_blocks_the_engine_holds_is_no_speculation():
+    clock = Clock()
+    index, views = index_with_views(clock, ttl_s=10.0)
+    prompt = doc(5)
+    confirmed = views[A].confirmed
+    confirmed.update(prompt.hashes[:6])  # type: ignore[attr-defined]
+    index.record(A, index.lookup(prompt, [A, B]))
+    # Only the two blocks the engine lacks wait for their events.
+    assert len(views[A].speculative) == 2 and views[A].stats.recorded == 2
+    confirmed.difference_update(prompt.hashes[:6])  # type: ignore[attr-defined]
+    assert dict(index.lookup(prompt, [A, B]).matched) == {}

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 from typing import get_args
 
-from extproc.bench.fleet_options import CAPACITY_BLOCKS
 from extproc.bench.workloads import WorkloadName
 from extproc.cli.bench.workload import (
     Workload,
@@ -52,9 +51,9 @@ def fleet_flags(parser: argparse.ArgumentParser) -> None:
         "--capacity-blocks",
         type=int,
         default=None,
-        help="each simulated instance's KV cache, in 16-token blocks (default "
-        f"{CAPACITY_BLOCKS}; smaller than the working set: a fleet whose caches "
-        "cannot hold it)",
+        help="each simulated instance's KV cache, in 16-token blocks (default: the fleet "
+        "benchmarks' own, extproc/bench/fleet_options.py; smaller than the working set: a "
+        "fleet whose caches cannot hold it)",
     )
     parser.add_argument(
         "--prefix-length",
