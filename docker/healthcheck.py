@@ -4,7 +4,7 @@ import os
 import sys
 import urllib.request
 
-url = os.environ.get("PREFIX_ROUTER_HEALTH_URL", "http://127.0.0.1:9102/metrics")
+url = os.environ.get("PREFIX_ROUTER_HEALTH_URL", "http://127.0.0.1:9190/metrics")
 try:
     with urllib.request.urlopen(url, timeout=2) as response:
         sys.exit(0 if response.status == 200 else 1)

@@ -47,6 +47,8 @@ from extproc.schema import (
 __all__ = ["ENV_PREFIX", "LOG_LEVELS", "EventLoop", "PrefixMatch", "RouterConfig", "load_config"]
 
 ENV_PREFIX = "PREFIX_ROUTER_"
+# Listen addresses that take a port on every IP.
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "[::]"})
 
 
 class StreamEnd(StrEnum):
@@ -316,7 +318,8 @@ class RouterConfig(FrozenModel):
     health_listen: Address | None = described(
         "A second address serving only gRPC health (liveness, readiness, the ext_proc "
         "service and inference-extension), as the Inference Extension's charts probe on "
-        "9003. The listen address serves health too. null: none.",
+        "9003. The listen address serves health too. Every worker of `workers` binds this "
+        "same address (SO_REUSEPORT), so a probe reaches one of them. null: none.",
         None,
         allowed="ip:port",
         restart=True,
@@ -369,12 +372,22 @@ class RouterConfig(FrozenModel):
     workers: StrictInt = described(
         "Router processes. grpc.aio serves from one core, so a router per core multiplies "
         "its capacity: worker i listens on listen's port + i (on a Unix socket: its path "
-        "with .i appended, from worker 1) and metrics_listen's port + i, and each is an "
-        "endpoint of Envoy's ext_proc cluster (`envoy-config --router-workers`). A worker "
-        "that dies is restarted.",
+        "with .i appended, from worker 1; all on listen itself with workers_share_listen) "
+        "and metrics_listen's port + i, and each is an endpoint of Envoy's ext_proc cluster "
+        "(`envoy-config --router-workers`). A worker that dies is restarted.",
         1,
         ge=1,
         le=64,
+        restart=True,
+    )
+    workers_share_listen: StrictBool = described(
+        "Every worker listens on listen itself, with SO_REUSEPORT, and the kernel spreads "
+        "new connections over them: for a client that knows one address, as a gateway "
+        "knows its endpoint picker's Service (`prefix-router epp` turns it on). false: "
+        "listen is this process's alone (a second process on it fails to start), and "
+        "worker i takes its port + i. metrics_listen's port + i either way. ip:port listen "
+        "only.",
+        False,
         restart=True,
     )
     event_loop: EventLoop = described(
@@ -458,7 +471,15 @@ class RouterConfig(FrozenModel):
 
     @model_validator(mode="after")
     def _worker_ports_exist(self) -> RouterConfig:
+        if self.workers_share_listen and socket_path(self.listen) is not None:
+            raise ConfigError(
+                "workers_share_listen",
+                True,
+                "false when listen is a Unix socket (only a TCP port can be shared)",
+            )
         for name in ("listen", "metrics_listen"):
+            if name == "listen" and self.workers_share_listen:
+                continue  # every worker on listen itself
             address = getattr(self, name)
             path = socket_path(address)
             if path is not None:
@@ -479,6 +500,35 @@ class RouterConfig(FrozenModel):
                     f"at most {65536 - port} with {name} on port {port} (worker i listens on "
                     "its port + i)",
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _worker_ports_apart(self) -> RouterConfig:
+        # Every worker binds the shared addresses with SO_REUSEPORT, so two servers on one
+        # port would not fail: they would split its connections. Refuse the overlap here.
+        own = 1 if self.workers_share_listen else self.workers
+        spans = (
+            ("listen", self.listen, own),
+            ("health_listen", self.health_listen, 1),
+            ("metrics_listen", self.metrics_listen, self.workers),
+        )
+        taken: list[tuple[str, str, range]] = []
+        for name, address, count in spans:
+            if address is None or socket_path(address) is not None:
+                continue
+            host, _, port = address.rpartition(":")
+            ports_of = range(int(port), int(port) + count)
+            for other, other_host, other_ports in taken:
+                same_ip = host == other_host or bool({host, other_host} & WILDCARD_HOSTS)
+                both = sorted(set(ports_of) & set(other_ports))
+                if same_ip and both:
+                    raise ConfigError(
+                        name,
+                        address,
+                        f"ports apart from {other}'s: with {self.workers} worker(s) both "
+                        f"would take port {both[0]}",
+                    )
+            taken.append((name, host, ports_of))
         return self
 
     @model_validator(mode="after")

@@ -2,10 +2,14 @@
 
 Each process of ``prefix-router up`` (and of the commands it is made of) takes its default
 address from here, so no two defaults can drift into each other: a router with
-``--workers N`` listens on its gRPC and metrics ports + i, and that run of ports must not
-reach another default. (It did: worker 1's metrics port, 9102 + 1, was the control plane's
-9103.) ``tests/test_ports.py`` checks every default and every worker's span against each
-other, and ``tests/integration/test_up.py`` starts them all at once.
+``--workers N`` listens on its gRPC and metrics ports + i, an endpoint picker with
+``--workers N`` on its metrics port + i (its gRPC and health ports are one address every
+worker binds), and those runs of ports must not reach another default. (They did: worker
+1's metrics port, 9102 + 1, was the control plane's 9103, and the picker's worker 12 would
+have taken 9090 + 12, the router's metrics port, until it moved to 9190.)
+``tests/test_ports.py`` checks every default and every worker's span against each other,
+``tests/integration/test_up.py`` starts up's all at once, and
+``tests/integration/test_epp_workers.py`` the picker's.
 
 The endpoint picker's ports (9002, 9003, 9090) are the Inference Extension's contract, and
 the KV-event ports (5557, 5558) are vLLM's, and the router's gRPC port is gRPC's usual 50051;
@@ -18,13 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 LOOPBACK = "127.0.0.1"
-# The most router processes one ``--workers`` may start; each takes its own ports.
+# The most router processes one ``--workers`` may start; each takes its own metrics port.
 MAX_WORKERS = 64
 
 ENVOY_LISTEN = 10000
 ENVOY_ADMIN = 9901
 ROUTER_GRPC = 50051
-ROUTER_METRICS = 9102
+# Past the picker's metrics span (9090 + 63): 100 above it.
+ROUTER_METRICS = 9190
 CONTROL_PLANE_XDS = 18000
 CONTROL_PLANE_METRICS = 18001
 EPP_GRPC = 9002
@@ -54,11 +59,12 @@ class DefaultPort:
 
     name: str
     port: int
-    # Router workers take this port + i, for i below the worker count.
+    # Workers take this port + i, for i below the worker count (False: one port, shared
+    # by every worker, or a process that has no workers).
     per_worker: bool = False
 
     def span(self, workers: int) -> range:
-        """The ports it takes with ``workers`` router processes."""
+        """The ports it takes with ``workers`` router (or picker) processes."""
         return range(self.port, self.port + (workers if self.per_worker else 1))
 
 
@@ -70,7 +76,8 @@ DEFAULTS = (
     DefaultPort("router metrics", ROUTER_METRICS, per_worker=True),
     DefaultPort("control plane xDS", CONTROL_PLANE_XDS),
     DefaultPort("control plane metrics", CONTROL_PLANE_METRICS),
+    # ``epp --workers N``: every worker on the gRPC and health ports (SO_REUSEPORT).
     DefaultPort("endpoint picker gRPC", EPP_GRPC),
     DefaultPort("endpoint picker health", EPP_HEALTH),
-    DefaultPort("endpoint picker metrics", EPP_METRICS),
+    DefaultPort("endpoint picker metrics", EPP_METRICS, per_worker=True),
 )

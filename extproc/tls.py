@@ -58,13 +58,14 @@ def listen(
     server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None
 ) -> int:
     """Bind ``address`` in plaintext or over TLS; raise OSError if it cannot be bound."""
-    if credentials is None:
-        port = server.add_insecure_port(address)
-    else:
-        try:
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
             port = server.add_secure_port(address, credentials)
-        except RuntimeError as error:  # grpc.aio raises instead of returning 0
-            raise OSError(f"cannot listen on {address} over TLS ({error})") from None
+    except RuntimeError as error:  # grpc.aio raises instead of returning 0
+        mode = "in plaintext" if credentials is None else "over TLS"
+        raise OSError(f"cannot listen on {address} {mode} ({error})") from None
     if port == 0:
         raise OSError(f"cannot listen on {address}")
     return port

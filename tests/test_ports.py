@@ -7,9 +7,11 @@ import itertools
 import pytest
 
 from extproc import ports
+from extproc.adapter.workers import worker_overrides
 from extproc.cli import parse_args
+from extproc.cli.epp import overrides_of
 from extproc.cli.up import stack_spec
-from extproc.config import RouterConfig
+from extproc.config import RouterConfig, load_config
 from extproc.control.config import ControlPlaneConfig
 from extproc.stack.local import LocalStack
 
@@ -49,3 +51,25 @@ def test_up_with_workers_puts_every_worker_on_a_port_of_its_own():
         assert len(taken) == len(set(taken)), taken
     finally:
         stack.stop()
+
+
+def test_the_pickers_workers_share_its_grpc_and_health_ports_and_each_has_its_metrics():
+    # A gateway knows one address for its picker: only the metrics port moves by worker,
+    # and its span (9090 + 63) stays clear of the router's metrics (9190).
+    table = {p.name: p for p in ports.DEFAULTS}
+    assert not table["endpoint picker gRPC"].per_worker
+    assert not table["endpoint picker health"].per_worker
+    assert table["endpoint picker metrics"].per_worker
+    assert table["router metrics"].port > ports.EPP_METRICS + ports.MAX_WORKERS - 1
+    workers = ports.MAX_WORKERS
+    args = parse_args(["epp", "--bind-address", ports.LOOPBACK, "--workers", str(workers)])
+    overrides = overrides_of(args, None)
+    config = load_config(None, env={}, overrides=overrides)
+    assert config.workers == workers and config.workers_share_listen
+    taken = set()
+    for index in range(workers):
+        worker = load_config(None, env={}, overrides=worker_overrides(config, overrides, index))
+        assert worker.listen == ports.loopback(ports.EPP_GRPC)
+        assert worker.health_listen == ports.loopback(ports.EPP_HEALTH)
+        taken.add(worker.metrics_listen)
+    assert taken == {ports.loopback(ports.EPP_METRICS + i) for i in range(workers)}

@@ -290,13 +290,23 @@ def fleet_tls(config: RouterConfig) -> FleetTls | None:
     return FleetTls(credentials, config.control_plane_server_name)
 
 
-def server_options() -> list[tuple[str, int]]:
-    """The ext_proc server's gRPC options (the overhead bench's noop processor uses them too)."""
+def reuse_port(shared: bool) -> tuple[str, int]:
+    """The gRPC option that binds a port shared with other processes (SO_REUSEPORT: the
+    kernel spreads new connections over them) or this process's alone. gRPC sets
+    SO_REUSEPORT unless told not to, which would let a second router on the same port
+    take half of the first one's connections without an error."""
+    return ("grpc.so_reuseport", int(shared))
+
+
+def server_options(shared: bool = False) -> list[tuple[str, int]]:
+    """The ext_proc server's gRPC options (the overhead bench's noop processor uses them
+    too); ``shared``: its port is shared with the other workers (``workers_share_listen``)."""
     return [
         # Envoy sends its buffer limit (40 MiB by default) of body in one message, and more;
         # gRPC's default 4 MiB cap would fail those streams.
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        reuse_port(shared),
         *keepalive.server_options(),
     ]
 
@@ -316,7 +326,7 @@ async def serve(
         else None
     )
     router = Router(config, traffic_log=traffic_log)
-    server = grpc.aio.server(options=server_options())
+    server = grpc.aio.server(options=server_options(config.workers_share_listen))
     stop = stop or asyncio.Event()
     lag = LoopLag()
     metrics.LOOP_LAG.set_function(lambda: lag.seconds)
@@ -327,8 +337,9 @@ async def serve(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     servers = [server]
     if config.health_listen is not None:
-        # Health alone, in plaintext: Kubernetes' gRPC probes speak no TLS.
-        health_server = grpc.aio.server(options=keepalive.server_options())
+        # Health alone, in plaintext: Kubernetes' gRPC probes speak no TLS. Every worker
+        # binds it (a pod has one probe address), whichever worker answers.
+        health_server = grpc.aio.server(options=[reuse_port(True), *keepalive.server_options()])
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
         tls.listen(health_server, config.health_listen, None)
         servers.append(health_server)
@@ -377,6 +388,7 @@ async def serve(
         strategy=config.routing_strategy.value,
         tls=tls.server_mode(config.tls_cert_file, config.tls_client_ca_file),
         health_listen=config.health_listen,
+        listen_shared=config.workers_share_listen,
         epp=config.epp,
         control_plane=config.control_plane,
         control_plane_tls=config.control_plane_ca_file is not None,

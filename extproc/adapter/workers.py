@@ -1,9 +1,14 @@
-"""``router --workers N``: N router processes, each its own ext_proc endpoint.
+"""``router --workers N`` and ``epp --workers N``: N router processes under one supervisor.
 
 grpc.aio serves from one thread, so one router process uses one core however many the
 machine has. Envoy spreads its ext_proc streams over the endpoints of the router cluster,
 so N processes on N ports serve N times the streams, with no shared state to lock: each
 worker has its own prefix index, as router replicas do (see docs/architecture.md).
+
+A gateway knows one address for its endpoint picker, so there (``workers_share_listen``)
+every worker binds ``listen`` itself with SO_REUSEPORT and the kernel spreads the
+gateway's connections over them. Either way each worker has its own metrics port (+ i),
+and ``health_listen``, a pod's probe address, is one address all of them bind.
 
 The supervisor starts each worker in a spawned process (its own interpreter, event loop,
 gRPC server and metrics port), restarts a worker that dies, and on SIGTERM or SIGINT
@@ -55,10 +60,13 @@ def worker_address(address: str, index: int) -> str:
 def worker_overrides(
     config: RouterConfig, overrides: Mapping[str, Any], index: int
 ) -> dict[str, Any]:
-    """The overrides that make worker ``index`` of ``config``: its own addresses, one worker."""
+    """The overrides that make worker ``index`` of ``config``, one worker: its own metrics
+    port, and its own listen port unless the workers share ``listen`` (health_listen is
+    always shared)."""
+    shared = config.workers_share_listen
     return {
         **overrides,
-        "listen": worker_address(config.listen, index),
+        "listen": config.listen if shared else worker_address(config.listen, index),
         "metrics_listen": worker_address(config.metrics_listen, index),
         "workers": 1,
     }
@@ -120,15 +128,10 @@ class Supervisor:
 
     def _spawn(self, index: int, now: float) -> _Worker:
         listening = self._context.Event()
+        overrides = worker_overrides(self.config, self._overrides, index)
         process = self._context.Process(
             target=_worker_main,
-            args=(
-                self._config_path,
-                worker_overrides(self.config, self._overrides, index),
-                index,
-                os.getpid(),
-                listening,
-            ),
+            args=(self._config_path, overrides, index, os.getpid(), listening),
             name=f"prefix-router-worker-{index}",
         )
         process.start()
@@ -136,7 +139,8 @@ class Supervisor:
             "router_worker_started",
             worker=index,
             pid=process.pid,
-            listen=worker_address(self.config.listen, index),
+            listen=overrides["listen"],
+            metrics=overrides["metrics_listen"],
         )
         return _Worker(index, process, listening, now)
 

@@ -5,6 +5,11 @@ plaintext with ``--secure-serving=false``), gRPC health on 9003 and metrics on 9
 reference endpoint picker does, and takes the reference chart's flags so that its values
 work unchanged: those it has no use for (the pool's name, leader election, log encoding)
 are accepted and logged. docs/kubernetes.md describes the setup for each gateway.
+
+``--workers N`` runs N picker processes behind those same ports: a gateway knows one
+address for its picker, so every worker binds the gRPC and health ports itself
+(SO_REUSEPORT, ``workers_share_listen``) and the kernel spreads the gateway's connections
+over them; worker i serves its metrics on the metrics port + i, as router workers do.
 """
 
 from __future__ import annotations
@@ -89,6 +94,14 @@ def register(commands: Commands) -> None:
         help="Prometheus (default %(default)s)",
     )
     parser.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="picker processes, all on the gRPC and health ports (SO_REUSEPORT: the kernel "
+        "spreads connections over them), worker i on the metrics port + i (default 1; one "
+        "per core serves the most streams)",
+    )
+    parser.add_argument(
         "--secure-serving",
         type=go_bool,
         nargs="?",
@@ -154,6 +167,9 @@ def overrides_of(args: argparse.Namespace, cert: tuple[Path, Path] | None) -> di
         listen=f"{address}:{args.grpc_port}",
         health_listen=f"{address}:{args.grpc_health_port}",
         metrics_listen=f"{address}:{args.metrics_port}",
+        workers=args.workers,
+        # One address for the gateway, whatever the number of workers.
+        workers_share_listen=True,
         control_plane=args.control_plane,
         epp_endpoint_list=args.endpoint_list,
         epp_conformance_hooks=args.conformance_hooks,
@@ -186,5 +202,10 @@ def run(args: argparse.Namespace) -> int:
         ignored = {k: v for k, v in vars(args).items() if k.startswith("ignored_") and v}
         if ignored:
             structlog.get_logger("epp").info("epp_flags_ignored", **ignored)
+        if config.workers > 1:
+            from extproc.adapter.workers import Supervisor
+
+            # The self-signed certificate's directory lives until every worker has stopped.
+            return Supervisor(config, args.config, overrides).run()
         run_router(config, config_path=args.config, overrides=overrides)
     return 0

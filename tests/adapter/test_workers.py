@@ -9,12 +9,16 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 
+from extproc import ports, tls
+from extproc.adapter.service import server_options
 from extproc.adapter.workers import worker_address, worker_overrides
 from extproc.config import RouterConfig
-from extproc.stack.processes import free_port_run, port_is_free, wait_until
+from extproc.errors import ConfigError
+from extproc.stack.processes import free_port, free_port_run, port_is_free, wait_until
 
 HOSTS = ("127.0.0.21:8000", "127.0.0.22:8000")
 
@@ -25,13 +29,90 @@ def test_worker_i_listens_on_the_ports_plus_i_and_runs_alone():
     assert overrides == {
         "prefix_length": 2048,
         "listen": "127.0.0.1:6002",
-        "metrics_listen": "127.0.0.1:9104",
+        "metrics_listen": ports.loopback(ports.ROUTER_METRICS + 2),
         "workers": 1,
     }
     assert worker_address("[::1]:7000", 1) == "[::1]:7001"
     # A Unix socket: worker 0 keeps the path, worker i appends .i.
     assert worker_address("unix:/run/r.sock", 0) == "unix:/run/r.sock"
     assert worker_address("unix:/run/r.sock", 2) == "unix:/run/r.sock.2"
+
+
+def test_workers_that_share_listen_all_take_it_and_move_only_their_metrics():
+    # ``epp --workers N``: a gateway knows one address, so listen and health_listen stay.
+    config = RouterConfig(
+        hosts=HOSTS,
+        workers=3,
+        workers_share_listen=True,
+        listen="0.0.0.0:9002",
+        health_listen="0.0.0.0:9003",
+        metrics_listen="0.0.0.0:9090",
+    )
+    overrides = {"health_listen": "0.0.0.0:9003", "workers_share_listen": True}
+    for index in range(3):
+        assert worker_overrides(config, overrides, index) == {
+            **overrides,
+            "listen": "0.0.0.0:9002",
+            "metrics_listen": f"0.0.0.0:{9090 + index}",
+            "workers": 1,
+        }
+    # Own ports (the router's), health_listen is still one address all of them bind.
+    own = RouterConfig(hosts=HOSTS, workers=2, health_listen="127.0.0.1:7000")
+    assert "health_listen" not in worker_overrides(own, {}, 1)
+
+
+def test_a_shared_listen_may_sit_at_the_top_port_its_metrics_may_not():
+    top = RouterConfig(listen="127.0.0.1:65535", workers=64, workers_share_listen=True)
+    assert top.workers == 64
+    with pytest.raises(ConfigError, match="metrics_listen on port 65500"):
+        RouterConfig(
+            listen="127.0.0.1:9002",
+            metrics_listen="127.0.0.1:65500",
+            workers=64,
+            workers_share_listen=True,
+        )
+    with pytest.raises(ConfigError, match="Unix socket"):
+        RouterConfig(listen="unix:/run/r.sock", workers_share_listen=True)
+
+
+@pytest.mark.parametrize(
+    ("settings", "field", "port"),
+    [
+        # The picker's ports with the router's scheme: worker 1's gRPC would be 9003.
+        ({"workers": 2, "health_listen": "0.0.0.0:9003"}, "health_listen", 9003),
+        # Shared: the ext_proc and the health server would split one port's connections.
+        ({"workers_share_listen": True, "health_listen": "127.0.0.1:9002"}, "health_listen", 9002),
+        ({"workers": 3, "metrics_listen": "0.0.0.0:9004"}, "metrics_listen", 9004),
+    ],
+)
+def test_addresses_whose_worker_ports_meet_are_refused(settings, field, port):
+    with pytest.raises(ConfigError, match=f"would take port {port}") as error:
+        RouterConfig(**{"listen": "127.0.0.1:9002", **settings})
+    assert error.value.field == field
+
+
+def test_addresses_on_different_ips_may_share_a_port_number():
+    config = RouterConfig(listen="127.0.0.1:9002", metrics_listen="127.0.0.2:9002", workers=2)
+    assert config.workers == 2
+
+
+async def test_a_port_of_its_own_refuses_a_second_server_a_shared_one_takes_both():
+    # gRPC sets SO_REUSEPORT unless told not to: a second router on a router's port
+    # would have split its connections without an error.
+    for shared in (False, True):
+        address = f"127.0.0.1:{free_port()}"
+        first = grpc.aio.server(options=server_options(shared))
+        second = grpc.aio.server(options=server_options(shared))
+        try:
+            tls.listen(first, address, None)
+            if shared:
+                tls.listen(second, address, None)
+            else:
+                with pytest.raises(OSError, match="cannot listen"):
+                    tls.listen(second, address, None)
+        finally:
+            await first.stop(0)
+            await second.stop(0)
 
 
 def metrics_up(port: int) -> bool:

@@ -59,6 +59,8 @@ def test_up_help_documents_every_flag():
         (["router", "--prefix-length", "999999", "--listen", "127.0.0.1:1"], "prefix_length"),
         (["router", "--workers", "0", "--listen", "127.0.0.1:1"], "workers"),
         (["up", "--workers", "3", "--router-listen", "127.0.0.1:65534"], "workers"),
+        (["epp", "--workers", "65", "--secure-serving=false"], "workers"),
+        (["epp", "--workers", "2", "--metrics-port", "9001"], "metrics_listen"),
     ],
 )
 def test_config_errors_exit_2_naming_the_field(args, field):

@@ -42,6 +42,14 @@ def test_the_reference_charts_flags_parse_and_give_its_ports():
     assert args.ignored_pool_name == "vllm-pool"
 
 
+def test_workers_default_to_one_and_always_share_the_grpc_and_health_ports():
+    default = overrides_of(build_parser().parse_args(["epp"]), None)
+    assert default["workers"] is None  # the config's: 1 unless it says otherwise
+    assert default["workers_share_listen"] is True
+    overrides = overrides_of(build_parser().parse_args(["epp", "--workers", "4"]), None)
+    assert overrides["workers"] == 4 and overrides["workers_share_listen"] is True
+
+
 @pytest.mark.parametrize(("text", "value"), [("true", True), ("False", False), ("1", True)])
 def test_go_booleans(text, value):
     assert go_bool(text) is value

@@ -164,7 +164,7 @@ def test_cpu_profile_comes_up_and_routes_by_prefix(docker, images):
         def routed() -> bool:
             if post(0).status_code != 200:
                 return False
-            text = httpx.get("http://127.0.0.1:9102/metrics", timeout=2).text
+            text = httpx.get("http://127.0.0.1:9190/metrics", timeout=2).text
             # The router places over the fleet and has made at least one decision.
             return "prefix_router_hosts 3.0" in text and "prefix_router_decisions_total{" in text
 
