@@ -8,12 +8,12 @@ import time
 from typing import Any
 
 import aiohttp
-import httpx
 
 from extproc.bench.fleet_lifecycle import Fleet
 from extproc.bench.fleet_paths import SESSION_HEADER
 from extproc.bench.workloads import BenchRequest
 from extproc.stack.local import LocalStack
+from extproc.stack.prometheus import scrape, total
 
 # The router's counters a path's result is computed from (decisions, overflows, and the
 # prefix index's matched and prompt bytes).
@@ -28,17 +28,11 @@ WARM_UP_PAIRS = 3
 
 def router_counter(stack: LocalStack, name: str) -> float:
     """``name`` summed over its label sets and over the running router replicas."""
-    total = 0.0
-    for replica, process in enumerate(stack.routers):
-        if process is None:
-            continue
-        text = httpx.get(stack.replica_metrics_url(replica)).text
-        total += sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith(name + "{") or line.startswith(name + " ")
-        )
-    return total
+    return sum(
+        total(scrape(stack.replica_metrics_url(replica), timeout_s=5), name)
+        for replica, process in enumerate(stack.routers)
+        if process is not None
+    )
 
 
 def router_counters(stack: LocalStack) -> dict[str, float]:

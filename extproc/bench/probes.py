@@ -1,18 +1,18 @@
 """What the long-run benchmarks read off running processes: resident memory from /proc,
-and Prometheus samples (labelled ones too) from a /metrics endpoint."""
+and Prometheus samples (labelled ones too) from a /metrics endpoint, read by
+extproc/stack/prometheus.py (its helpers re-exported here)."""
 
 from __future__ import annotations
 
 import os
-import urllib.request
-from collections.abc import Mapping
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.stack.local import LocalStack
 from extproc.stack.processes import wait_until
-
-Samples = Mapping[tuple[str, tuple[tuple[str, str], ...]], float]
+from extproc.stack.prometheus import Samples as Samples
+from extproc.stack.prometheus import by_host as by_host
+from extproc.stack.prometheus import scrape as scrape
+from extproc.stack.prometheus import series as series
+from extproc.stack.prometheus import total as total
 
 
 def rss_bytes(pid: int) -> int:
@@ -22,36 +22,6 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise ValueError(f"no VmRSS for pid {pid} (a zombie?)")
-
-
-def scrape(url: str, timeout_s: float = 2.0) -> Samples:
-    """Every sample at a Prometheus endpoint, keyed by (name, sorted labels)."""
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:
-        text = response.read().decode()
-    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
-
-
-def total(samples: Samples, name: str) -> float:
-    """The sum of ``name`` over all its label sets (0 when absent)."""
-    return sum(value for (sample, _), value in samples.items() if sample == name)
-
-
-def series(samples: Samples, name: str) -> int:
-    """How many label sets ``name`` has: the size of the state behind a labelled gauge."""
-    return sum(1 for sample, _ in samples if sample == name)
-
-
-def by_host(samples: Samples, name: str) -> dict[str, float]:
-    """``name``'s samples by their ``host`` label."""
-    return {
-        dict(labels)["host"]: value
-        for (sample, labels), value in samples.items()
-        if sample == name and "host" in dict(labels)
-    }
 
 
 def placement_weights(stack: LocalStack) -> dict[str, float]:

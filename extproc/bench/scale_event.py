@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import httpx
 import structlog
 
 from extproc.bench import report
@@ -97,22 +96,13 @@ class ScalePathResult:
         return sum(not o.ok for o in self.outcomes)
 
 
-def _envoy_hosts(admin_url: str) -> set[str]:
-    text = httpx.get(f"{admin_url}/clusters", timeout=2).text
-    return {
-        line.split("::")[1]
-        for line in text.splitlines()
-        if line.startswith("vllm::") and line.split("::")[2] == "cx_active"
-    }
-
-
 def _path_hosts(fleet: Fleet, path: str) -> set[str] | int:
     """What the path routes over now: Envoy's host set, or the router's host count."""
     stack = fleet.stack
     assert stack is not None
     if path == RING_HASH:
         assert fleet.ring_hash_admin_url is not None
-        return _envoy_hosts(fleet.ring_hash_admin_url)
+        return stack.envoy_hosts(admin_url=fleet.ring_hash_admin_url)
     return int(stack.router_metric("prefix_router_hosts") or 0)
 
 
@@ -130,7 +120,7 @@ def _wait_for_fleet(fleet: Fleet, hosts: Sequence[str]) -> None:
         return (
             stack.router_metric("prefix_router_hosts") == len(hosts)
             and stack.envoy_hosts() == set(hosts)
-            and _envoy_hosts(admin) == set(hosts)
+            and stack.envoy_hosts(admin_url=admin) == set(hosts)
         )
 
     wait_until(settled, 60, f"{len(hosts)} hosts everywhere")

@@ -8,7 +8,6 @@ import functools
 import shutil
 import sys
 import tempfile
-import urllib.request
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -16,10 +15,9 @@ from typing import Any
 import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.stack.gateways import Gateway, GatewayParams, render_gateway
-from extproc.stack.local import READY_TIMEOUT_S, envoy_binary, scrape_metric
+from extproc.stack.local import READY_TIMEOUT_S, envoy_binary
 from extproc.stack.processes import (
     ManagedProcess,
     free_port,
@@ -28,6 +26,7 @@ from extproc.stack.processes import (
     tcp_open,
     wait_until,
 )
+from extproc.stack.prometheus import scrape, scrape_metric
 
 SIM_ARGS = ("--ttft-ms", "0", "--itl-ms", "5")
 # The picker's settings: simulators answer at once, so no modelled prefill queue.
@@ -94,14 +93,9 @@ class EppGateway:
 
     def metric(self, name: str, **labels: str) -> float:
         """A sample of the picker's metrics (0 when absent)."""
-        with urllib.request.urlopen(self.router_metrics_url, timeout=2) as response:
-            text = response.read().decode()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(
-                    sample.labels.get(k) == v for k, v in labels.items()
-                ):
-                    return float(sample.value)
+        for (sample, sample_labels), value in scrape(self.router_metrics_url).items():
+            if sample == name and all(dict(sample_labels).get(k) == v for k, v in labels.items()):
+                return value
         return 0.0
 
     def start(self) -> EppGateway:

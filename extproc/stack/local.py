@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import http.client
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -22,7 +20,9 @@ from typing import Any
 import yaml
 
 from extproc import ports
+from extproc.stack import envoy_admin
 from extproc.stack.bootstrap import BodyMode, BootstrapParams, Mode, render
+from extproc.stack.envoy_admin import envoy_counters as envoy_counters
 from extproc.stack.processes import (
     ManagedProcess,
     StackError,
@@ -33,6 +33,7 @@ from extproc.stack.processes import (
     tcp_open,
     wait_until,
 )
+from extproc.stack.prometheus import scrape_metric as scrape_metric
 
 READY_TIMEOUT_S = 30.0
 
@@ -64,33 +65,6 @@ def _write_atomically(path: Path, text: str) -> None:
     partial = path.with_suffix(".tmp")
     partial.write_text(text)
     os.replace(partial, path)
-
-
-def scrape_metric(url: str, name: str) -> float | None:
-    """The value of an unlabelled sample ``name`` at a Prometheus endpoint, or None."""
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            text = response.read().decode()
-    except (OSError, http.client.HTTPException):  # not up yet, or not an HTTP server
-        return None
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split(" ", 1)[1])
-    return None
-
-
-def envoy_counters(admin_url: str, prefix: str) -> dict[str, float]:
-    """Envoy's counters and gauges whose names start with ``prefix``, by the rest of the
-    name (``envoy_counters(admin, "http.ingress.ext_proc.")["streams_started"]``)."""
-    pattern = urllib.parse.quote("^" + re.escape(prefix))
-    with urllib.request.urlopen(f"{admin_url}/stats?filter={pattern}", timeout=2) as response:
-        text = response.read().decode()
-    values = {}
-    for line in text.splitlines():
-        name, sep, value = line.partition(": ")
-        if sep and name.startswith(prefix) and value.strip().lstrip("-").isdigit():
-            values[name[len(prefix) :]] = float(value)
-    return values
 
 
 def envoy_binary() -> str:
@@ -579,25 +553,11 @@ class LocalStack:
     def envoy_hosts(self, cluster: str = "vllm", admin_url: str | None = None) -> set[str]:
         """Addresses Envoy (the stack's, or the one at ``admin_url``) has in ``cluster``,
         from its admin /clusters page."""
-        admin_url = admin_url or self.admin_url
-        with urllib.request.urlopen(f"{admin_url}/clusters", timeout=2) as response:
-            text = response.read().decode()
-        return {
-            line.split("::")[1]
-            for line in text.splitlines()
-            if line.startswith(f"{cluster}::") and line.split("::")[2] == "cx_active"
-        }
+        return envoy_admin.envoy_hosts(admin_url or self.admin_url, cluster)
 
     def healthy_routers(self) -> set[str]:
         """Router replicas that Envoy's health checks pass, from its admin /clusters page."""
-        with urllib.request.urlopen(f"{self.admin_url}/clusters", timeout=2) as response:
-            text = response.read().decode()
-        prefix = "prefix_router::"
-        return {
-            line.split("::")[1]
-            for line in text.splitlines()
-            if line.startswith(prefix) and line.endswith("::health_flags::healthy")
-        }
+        return envoy_admin.healthy_hosts(self.admin_url, "prefix_router")
 
     def restart_routers(self, replicas: int | None = None) -> None:
         """Restart the first ``replicas`` router replicas (all by default) and stop the rest,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -24,6 +24,8 @@ from extproc.control.snapshot import (
 )
 from extproc.control.xds_server import XdsServer
 from extproc.stack.processes import free_port
+
+from ..waiting import wait_until_async
 
 CP_HOST = "127.0.0.1"
 CLUSTER = "vllm"
@@ -84,10 +86,13 @@ async def fleet_client(router: Router, target: str) -> AsyncIterator[FleetClient
         await asyncio.wait_for(task, timeout=5)
 
 
-async def eventually(condition: Callable[[], bool], timeout: float = PATIENCE_S) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.02)
+def connected() -> float:
+    return metric("prefix_router_control_plane_connected")
+
+
+def unreachable(logs: list[dict]) -> list[int]:
+    """The attempts that ``control_plane_unreachable`` log lines name, in order."""
+    return [e["attempt"] for e in logs if e["event"] == "control_plane_unreachable"]
 
 
 def make_router(port: int) -> Router:
@@ -124,14 +129,14 @@ async def test_client_gets_the_fleet_minus_draining_hosts(port: int) -> None:
         assert models(router) == {A: frozenset({"base", "lora-a"}), B: frozenset({"base"})}
         # An update replaces the set.
         store.publish(fleet(PublishedHost(B), PublishedHost(D)))
-        await eventually(lambda: addresses(router) == {B, D})
+        await wait_until_async(lambda: addresses(router) == {B, D}, PATIENCE_S, what="{B, D}")
         # Every host ejected: the router's set empties too.
         store.publish(fleet())
-        await eventually(lambda: len(router.hosts) == 0)
+        await wait_until_async(lambda: len(router.hosts) == 0, PATIENCE_S, what="no hosts")
         # Every host draining: none is left for placement.
         store.publish(fleet(PublishedHost(A, draining=True)))
         store.publish(fleet(PublishedHost(A), PublishedHost(B, draining=True)))
-        await eventually(lambda: addresses(router) == {A})
+        await wait_until_async(lambda: addresses(router) == {A}, PATIENCE_S, what="{A}")
 
 
 async def test_client_receives_the_load_feed(port: int) -> None:
@@ -144,7 +149,7 @@ async def test_client_receives_the_load_feed(port: int) -> None:
         store.publish(
             LoadSnapshot.build(CLUSTER, {A: HostLoad(running=3, waiting=2, scraped_at=7.0)})
         )
-        await eventually(lambda: router.feed_age() < PATIENCE_S)
+        await wait_until_async(lambda: router.feed_age() < PATIENCE_S, PATIENCE_S, what="a feed")
         assert router.feed_age() < 2.0
         loads = router._loads(router.config.routing_strategy)
         assert loads[A] == 5
@@ -156,18 +161,27 @@ async def test_client_keeps_the_last_set_and_reconnects(port: int) -> None:
     store.publish(fleet(PublishedHost(A), PublishedHost(B)))
     router = make_router(port)
     target = f"{CP_HOST}:{port}"
-    async with fleet_client(router, target):
-        async with xds_server(store, port):
-            await asyncio.wait_for(router.ready.wait(), timeout=PATIENCE_S)
+    with structlog.testing.capture_logs() as logs:
+        async with fleet_client(router, target):
+            async with xds_server(store, port):
+                await asyncio.wait_for(router.ready.wait(), timeout=PATIENCE_S)
+                assert addresses(router) == {A, B}
+                logged = len(logs)
+            # The control plane is gone. Once the router has found so (its session ended)
+            # and a reconnect has failed, it keeps placing over the last set.
+            await wait_until_async(
+                lambda: len(unreachable(logs[logged:])) >= 2 and connected() == 0,
+                PATIENCE_S,
+                what="the session's end and a failed reconnect",
+            )
             assert addresses(router) == {A, B}
-        # The control plane is gone: the router keeps placing over the last set.
-        await asyncio.sleep(0.5)
-        assert addresses(router) == {A, B}
-        assert router.ready.is_set()
-        restarted = SnapshotStore()
-        restarted.publish(fleet(PublishedHost(C), PublishedHost(D)))
-        async with xds_server(restarted, port):
-            await eventually(lambda: addresses(router) == {C, D})
+            assert router.ready.is_set()
+            restarted = SnapshotStore()
+            restarted.publish(fleet(PublishedHost(C), PublishedHost(D)))
+            async with xds_server(restarted, port):
+                await wait_until_async(
+                    lambda: addresses(router) == {C, D}, PATIENCE_S, what="the new fleet"
+                )
 
 
 async def test_the_backoff_starts_over_after_a_session_that_received_the_fleet(
@@ -179,17 +193,19 @@ async def test_the_backoff_starts_over_after_a_session_that_received_the_fleet(
     with structlog.testing.capture_logs() as logs:
 
         def attempts() -> list[int]:
-            return [e["attempt"] for e in logs if e["event"] == "control_plane_unreachable"]
+            return unreachable(logs)
 
         async with fleet_client(router, f"{CP_HOST}:{port}") as client:
             # No control plane yet: each attempt waits longer than the one before.
-            await eventually(lambda: client.attempt >= 5)
+            await wait_until_async(lambda: client.attempt >= 5, PATIENCE_S, what="5 attempts")
             async with xds_server(store, port):
                 await asyncio.wait_for(router.ready.wait(), timeout=PATIENCE_S)
                 healthy = client.attempt  # the attempt whose session got the fleet
             # That session ends with the server: then two more failed attempts.
-            await eventually(
-                lambda: attempts().count(healthy) == 1 and len(attempts()) >= healthy + 2
+            await wait_until_async(
+                lambda: attempts().count(healthy) == 1 and len(attempts()) >= healthy + 2,
+                PATIENCE_S,
+                what="the session's end and two failed attempts",
             )
     seen = attempts()
     # The session ended after it had received the fleet: the next outage is retried from
@@ -201,8 +217,9 @@ async def test_client_starts_before_the_control_plane(port: int) -> None:
     store = SnapshotStore()
     store.publish(fleet(PublishedHost(A)))
     router = make_router(port)
-    async with fleet_client(router, f"{CP_HOST}:{port}"):
-        await asyncio.sleep(0.3)
+    async with fleet_client(router, f"{CP_HOST}:{port}") as client:
+        # Retrying against nothing (an attempt has failed): not ready.
+        await wait_until_async(lambda: client.attempt >= 2, PATIENCE_S, what="a failed attempt")
         assert not router.ready.is_set()
         async with xds_server(store, port):
             await asyncio.wait_for(router.ready.wait(), timeout=PATIENCE_S)
@@ -217,12 +234,12 @@ async def test_invalid_cla_is_nacked_and_the_previous_set_kept(port: int) -> Non
         await asyncio.wait_for(router.ready.wait(), timeout=PATIENCE_S)
         before = nacks()
         assert store.publish(duplicate_fleet(C))
-        await eventually(lambda: nacks() > before)
+        await wait_until_async(lambda: nacks() > before, PATIENCE_S, what="a NACK")
         assert nacks() == before + 1
         assert addresses(router) == {A, B}
         # The next valid fleet is accepted.
         store.publish(fleet(PublishedHost(D)))
-        await eventually(lambda: addresses(router) == {D})
+        await wait_until_async(lambda: addresses(router) == {D}, PATIENCE_S, what="{D}")
         assert nacks() == before + 1
 
 
@@ -231,7 +248,8 @@ async def test_stop_ends_the_client_promptly(port: int) -> None:
     client = FleetClient(router, f"{CP_HOST}:{port}", CLUSTER)
     stop = asyncio.Event()
     task = asyncio.create_task(client.run(stop))
-    await asyncio.sleep(0.2)  # retrying against nothing
+    # Stopped while it retries against nothing (an attempt has failed).
+    await wait_until_async(lambda: client.attempt >= 2, PATIENCE_S, what="a failed attempt")
     stop.set()
     await asyncio.wait_for(task, timeout=5)
     assert task.exception() is None

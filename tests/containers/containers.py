@@ -19,6 +19,7 @@ import yaml
 from testcontainers.core.container import DockerContainer
 
 from extproc.stack.bootstrap import BootstrapParams, render
+from extproc.stack.envoy_admin import envoy_hosts, healthy_hosts
 from extproc.stack.local import INSTANT_PREFILL, simulated_backends
 from extproc.stack.processes import free_ports, http_ok
 
@@ -209,17 +210,19 @@ class ContainerStack:
         def ready() -> bool:
             if not http_ok(f"{admin}/ready"):
                 return False
-            clusters = httpx.get(f"{admin}/clusters", timeout=2).text
-            return all(f"vllm::{host}::health_flags" in clusters for host in self.fleet)
+            return self.fleet <= envoy_hosts(admin, "vllm")
 
         wait_for(ready, "Envoy to serve with the whole fleet")
         self.wait_for_router_in_envoy()
 
     def wait_for_router_in_envoy(self) -> None:
         """Until Envoy's gRPC health check passes the router (else requests fail open)."""
-        flag = f"prefix_router::{join(self.router_address)}::health_flags::healthy"
+        router = join(self.router_address)
         admin = f"http://{join(self.admin)}"
-        wait_for(lambda: flag in httpx.get(f"{admin}/clusters", timeout=2).text, flag)
+        wait_for(
+            lambda: router in healthy_hosts(admin, "prefix_router"),
+            f"Envoy's health checks to pass the router at {router}",
+        )
 
     def __enter__(self) -> ContainerStack:
         try:

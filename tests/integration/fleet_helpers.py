@@ -11,6 +11,7 @@ import httpx
 
 from extproc.stack.local import FAST_CONTROL_PLANE, INSTANT_PREFILL, LocalStack, StackSpec
 from extproc.stack.processes import wait_until
+from extproc.stack.prometheus import scrape, total
 
 from ..prompts import document
 
@@ -84,19 +85,12 @@ def wait_for_load_in_feed(stack: LocalStack, host: str, running: int, timeout: f
 
 def host_running(host: str) -> float:
     """vLLM's running requests, as ``host`` reports them (summed over its models)."""
-    text = httpx.get(f"http://{host}/metrics").text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_running "))
-    )
+    return total(scrape(f"http://{host}/metrics", timeout_s=5), "vllm:num_requests_running")
 
 
 def load_rounds(stack: LocalStack) -> float:
-    for line in httpx.get(stack.router_metrics_url).text.splitlines():
-        if line.startswith('prefix_router_fleet_updates_total{kind="load"}'):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    samples = scrape(stack.router_metrics_url, timeout_s=5)
+    return samples.get(("prefix_router_fleet_updates_total", (("kind", "load"),)), 0.0)
 
 
 class Traffic:

@@ -8,9 +8,10 @@ import time
 import httpx
 import pytest
 
-from extproc.stack.local import LocalStack
-from extproc.stack.processes import free_port, wait_until
+from extproc.stack.local import LocalStack, envoy_counters
+from extproc.stack.processes import free_port
 
+from ..waiting import wait_until
 from .fleet_helpers import (
     Traffic,
     chat,
@@ -36,8 +37,7 @@ def test_envoy_serves_the_fleet_it_got_over_ads(stack: LocalStack):
     assert stack.envoy_hosts() == set(stack.backend_addresses)
     seen = set(placements(stack, DOCS).values())
     assert seen == set(stack.backend_addresses)
-    stats = httpx.get(f"{stack.admin_url}/stats?filter=cluster.vllm.update_success").text
-    assert int(stats.strip().rsplit(" ", 1)[1]) >= 1
+    assert envoy_counters(stack.admin_url, "cluster.vllm.")["update_success"] >= 1
 
 
 def test_scale_out_keeps_cached_prefixes_gives_new_ones_and_scale_in_fails_nothing(
@@ -80,7 +80,9 @@ def test_killed_backend_is_ejected_and_its_prefixes_move_to_their_next_host(stac
     with Traffic(stack).running() as traffic:
         victim.kill()
         killed_at = time.monotonic()
-        wait_until(lambda: victim_address not in stack.envoy_hosts(), 10, "ejection from envoy")
+        wait_until(
+            lambda: victim_address not in stack.envoy_hosts(), 10, what="ejection from envoy"
+        )
         ejected_after = time.monotonic() - killed_at
         wait_for_router_hosts(stack, 2)
         after = placements(stack, DOCS)
@@ -99,15 +101,32 @@ def test_control_plane_outage_drops_no_traffic(stack: LocalStack):
     before = placements(stack, DOCS)
     with Traffic(stack).running() as traffic:
         stack.control_plane.kill()
-        time.sleep(1.5)
+        # Both subscribers have lost the control plane: placements now come from the
+        # last set each kept.
+        wait_until(
+            lambda: control_plane_connected(stack) == (0, 0),
+            10,
+            what="Envoy and the router to lose the control plane",
+        )
         during = placements(stack, DOCS)
         assert stack.envoy_hosts() == set(stack.backend_addresses)
         stack.start_control_plane()
-        time.sleep(1.0)
+        # Both reconnect and are sent the fleet again.
+        wait_until(
+            lambda: control_plane_connected(stack) == (1, 1),
+            35,
+            what="Envoy and the router to reconnect to the control plane",
+        )
         after = placements(stack, DOCS)
     assert during == before == after
     assert traffic.failures == 0
     assert stack.router.running
+
+
+def control_plane_connected(stack: LocalStack) -> tuple[float | None, float | None]:
+    """Envoy's ADS and the router's xDS stream: (1, 1) while both are connected."""
+    envoy = envoy_counters(stack.admin_url, "control_plane.").get("connected_state")
+    return envoy, stack.router_metric("prefix_router_control_plane_connected")
 
 
 def test_draining_host_gets_no_new_requests(stack: LocalStack):
@@ -165,7 +184,7 @@ def test_router_config_hot_reload_changes_strategy_and_threshold(stack: LocalSta
     wait_until(
         lambda: 'result="applied"' in httpx.get(stack.router_metrics_url).text,
         5,
-        "the applied reload",
+        what="the applied reload",
     )
     with httpx.Client(base_url=stack.url, timeout=10) as client:
         spread = {
@@ -180,6 +199,6 @@ def test_router_config_hot_reload_changes_strategy_and_threshold(stack: LocalSta
     wait_until(
         lambda: 'result="rejected"' in httpx.get(stack.router_metrics_url).text,
         5,
-        "the rejected reload",
+        what="the rejected reload",
     )
     assert stack.router.running

@@ -7,7 +7,6 @@ import contextlib
 from dataclasses import asdict
 
 import grpc
-import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 
@@ -18,7 +17,7 @@ from extproc.control.snapshot import (
     content_version,
 )
 from extproc.control.xds_server import XdsServer
-from extproc.stack.local import LocalStack, ManagedProcess
+from extproc.stack.local import LocalStack, ManagedProcess, envoy_counters
 from extproc.stack.processes import wait_until
 
 from .fleet_helpers import fleet_spec, placements
@@ -60,8 +59,7 @@ async def test_envoy_nack_is_counted_and_the_fleet_keeps_serving(tmp_path):
                 break
             await asyncio.sleep(0.05)
         assert nacks() >= nacks_before + 2
-        rejected = httpx.get(f"{stack.admin_url}/stats?filter=cluster.vllm.update_rejected").text
-        assert int(rejected.strip().rsplit(" ", 1)[1]) >= 1
+        assert envoy_counters(stack.admin_url, "cluster.vllm.")["update_rejected"] >= 1
         # Both kept the last good fleet and keep serving it.
         after = await asyncio.to_thread(placements, stack, range(30))
         assert after == before

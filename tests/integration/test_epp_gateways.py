@@ -19,7 +19,11 @@ from grpc_health.v1 import health_pb2
 from extproc.adapter import epp
 from extproc.adapter.service import SERVICE_NAME
 from extproc.bench.bodies import body_of_size
+from extproc.stack.envoy_admin import healthy_hosts
 from extproc.stack.epp_gateway import EppGateway
+from extproc.stack.gateways import EPP_CLUSTER
+
+from ..waiting import wait_until
 
 pytestmark = pytest.mark.envoy
 
@@ -235,6 +239,13 @@ def test_the_picker_killed_fails_open_where_the_pool_says_so(gateway: EppGateway
             assert statuses[0] in (200, 500) and set(statuses[1:]) == {200}, statuses
     finally:
         gateway.start_picker()
-    time.sleep(2.5)  # the ejection ends
+    # The ejection ends: the first refused connection ejected the picker (outlier
+    # detection), and Envoy readmits it once the ejection time (2 s) has passed.
+    wait_until(lambda: picker_healthy(gateway), 10, what="Envoy to readmit the picker")
     response = client.post("/v1/chat/completions", content=chat("back"), headers=JSON)
     assert response.status_code == 200
+
+
+def picker_healthy(gateway: EppGateway) -> bool:
+    """Whether Envoy's picker cluster holds a host it may send to, from its admin page."""
+    return bool(healthy_hosts(gateway.admin_url, EPP_CLUSTER))

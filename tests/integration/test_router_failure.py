@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import httpx
 
 from extproc.stack.local import LocalStack
-from extproc.stack.processes import wait_until
 
+from ..waiting import wait_until
 from .conftest import fleet
 
 
@@ -43,7 +41,7 @@ def test_router_down_then_back(stack: LocalStack, client):
     wait_until(
         lambda: decided(stack, client.post("/v1/chat/completions", json=probe)),
         10,
-        "the restarted router to decide a request",
+        what="the restarted router to decide a request",
     )
     probes = decisions_made(stack)
     after = []
@@ -51,7 +49,7 @@ def test_router_down_then_back(stack: LocalStack, client):
         after.append(client.post("/v1/chat/completions", json=body))
         # With STREAMED bodies, decisions made before Envoy's access log has reconnected
         # count as load until their host's next scrape (0.25 s): let them, at threshold 2.
-        time.sleep(0.3)
+        wait_until(lambda: idle(stack), 5, what="the router to count nothing in flight")
     assert all(r.status_code == 200 for r in after), router_state(stack)
     # The new router reads every engine's KV events, replayed from before it started: the
     # prompt is cached on its old home and wherever the failed-open requests went, and it
@@ -66,6 +64,16 @@ def test_router_down_then_back(stack: LocalStack, client):
     assert after[0].headers["x-served-by"] in fleet(stack)
     assert decisions_made(stack) == probes + 3, router_state(stack)
     assert home in fleet(stack)
+
+
+def idle(stack: LocalStack) -> bool:
+    """Whether the router counts no request as load: none in flight, none unseen."""
+    samples = httpx.get(stack.router_metrics_url).text.splitlines()
+    return all(
+        float(line.rsplit(" ", 1)[1]) == 0
+        for line in samples
+        if line.startswith(("prefix_router_in_flight_requests{", "prefix_router_unseen_decisions "))
+    ) and any(line.startswith("prefix_router_unseen_decisions ") for line in samples)
 
 
 def decided(stack: LocalStack, response: httpx.Response) -> bool:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 
-from extproc.stack.local import LocalStack
+from extproc.stack.local import LocalStack, envoy_counters
 
+from ..waiting import wait_until, wait_until_async
 from .conftest import THRESHOLD, fleet, streams_end_at_decision
 
 
@@ -136,19 +136,19 @@ async def test_client_abort_releases_the_in_flight_slot(stack: LocalStack):
         http.stream("POST", "/v1/chat/completions", json=body) as response,
     ):
         home = response.headers["x-served-by"]
-        await asyncio.sleep(0.3)
-        assert in_flight(stack)[home] == 1
-    # Leaving the block closed the connection mid-stream: the client gave up.
-    for _ in range(20):  # 1 s: well before the response would have finished
-        if in_flight(stack).get(home, 0) == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert in_flight(stack).get(home, 0) == 0  # an idle host has no series
+        await wait_until_async(
+            lambda: in_flight(stack).get(home) == 1, 5, what=f"{home} to count the stream"
+        )
+    # Leaving the block closed the connection mid-stream: the client gave up. The slot is
+    # released well before the response would have finished (an idle host has no series).
+    await wait_until_async(
+        lambda: in_flight(stack).get(home, 0) == 0, 2, what=f"{home}'s slot to be released"
+    )
 
 
 def envoy_stat(stack: LocalStack, name: str) -> int:
-    text = httpx.get(f"{stack.admin_url}/stats?filter=^{name}$").text
-    return int(text.rsplit(":", 1)[1]) if text.strip() else 0
+    # The stats under the prefix ``name``: the one named ``name`` itself is the rest "".
+    return int(envoy_counters(stack.admin_url, name).get("", 0))
 
 
 async def test_ext_proc_streams_follow_decisions_not_responses(stack: LocalStack):
@@ -163,18 +163,20 @@ async def test_ext_proc_streams_follow_decisions_not_responses(stack: LocalStack
                 return len([line async for line in response.aiter_lines() if line])
 
         responses = asyncio.gather(*(one(n) for n in range(count)))
-        await asyncio.sleep(1.0)  # every request decided, every response still streaming
-        held = envoy_stat(stack, "cluster.prefix_router.upstream_rq_active")
-        counted = sum(in_flight(stack).values())
+        held_open = 0 if streams_end_at_decision(stack) else count
+
+        def all_decided() -> bool:
+            # Every request decided and counted, and Envoy holding the streams it keeps.
+            held = envoy_stat(stack, "cluster.prefix_router.upstream_rq_active")
+            return sum(in_flight(stack).values()) == count and held == held_open
+
+        await wait_until_async(
+            all_decided, 5, what=f"{count} requests counted in flight, {held_open} streams held"
+        )
+        assert not responses.done()  # every response still streaming
         assert all(lines > 0 for lines in await responses)
-    assert held == (0 if streams_end_at_decision(stack) else count)
-    assert counted == count
     # Every completion reached the router: nothing is left in flight.
-    for _ in range(40):
-        if not in_flight(stack):
-            break
-        await asyncio.sleep(0.05)
-    assert in_flight(stack) == {}
+    await wait_until_async(lambda: in_flight(stack) == {}, 2, what="no request in flight")
 
 
 def test_every_envoy_worker_logs_its_completions_to_the_router(stack: LocalStack):
@@ -185,9 +187,5 @@ def test_every_envoy_worker_logs_its_completions_to_the_router(stack: LocalStack
     assert streams == (stack.envoy_workers() if streams_end_at_decision(stack) else 0)
     for n in range(12):  # a new connection each: spread over the workers
         assert httpx.post(f"{stack.url}/v1/chat/completions", json=chat(f"w{n}")).is_success
-    for _ in range(40):
-        if not in_flight(stack):
-            break
-        time.sleep(0.05)
-    assert in_flight(stack) == {}
+    wait_until(lambda: in_flight(stack) == {}, 2, what="no request in flight")
     assert stack.router_metric("prefix_router_unseen_decisions") == 0

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from extproc.stack.local import LocalStack
-from extproc.stack.processes import wait_until
+from extproc.stack.local import LocalStack, envoy_counters
 
+from ..waiting import wait_until
 from .stacks import placements, reliability_spec, wait_for_fleet
 from .steady import SteadyTraffic
 
@@ -73,11 +73,22 @@ def test_killed_router_fails_open_and_affinity_returns_with_it(stack: LocalStack
         assert stack.router is not None
         stack.router.kill()
         killed_at = time.monotonic()
-        time.sleep(3)  # Envoy's health check marks it down; requests fall back
+        # Requests fail open from the kill on; Envoy's health check then marks it down.
+        wait_until(
+            lambda: not stack.healthy_routers(),
+            10,
+            what="Envoy's health check to mark the router down",
+        )
+        down_at = time.monotonic()
+        wait_until(
+            lambda: len(traffic.since(killed_at)) >= 50 and len(traffic.since(down_at)) >= 10,
+            15,
+            what="requests answered during the outage, before and after the router was marked down",
+        )
         during = traffic.since(killed_at)
         stack.start_router()
         # Envoy's 1 s health check brings the router back into its ext_proc cluster.
-        wait_until(lambda: placements(stack, DOCS) == before, 15, "affinity to return")
+        wait_until(lambda: placements(stack, DOCS) == before, 15, what="affinity to return")
         traffic.wait_for(50)
     assert len(during) >= 50, traffic.summary()
     assert all(s.status == 200 for s in during), traffic.summary()  # fail open
@@ -92,19 +103,34 @@ def test_control_plane_outage_of_30s_fails_nothing_and_moves_nothing(stack: Loca
         traffic.wait_for(50)
         assert stack.control_plane is not None
         stack.control_plane.kill()
+        # The outage's length is the scenario, not a wait for an event: 30 s outlasts every
+        # timer an outage trips (the router's stale-feed age, 2 s; its reconnect backoff,
+        # at most 2 s; gRPC keepalive, 15 s).
         time.sleep(15)
         during = placements(stack, DOCS)
         assert stack.envoy_hosts() == fleet  # Envoy keeps the last set
         time.sleep(15)
         stack.start_control_plane()
-        # Both subscribers reconnect (the router's backoff is at most 2 s).
-        time.sleep(4)
+        # Both subscribers reconnect and are sent the fleet again. Envoy within about 2 s;
+        # the router's own backoff is at most 2 s, but grpc's connection backoff, shared by
+        # its channels to one target, has grown over the outage: about 12 s after this one.
+        wait_until(
+            lambda: control_plane_connected(stack) == (1, 1),
+            40,
+            what="Envoy and the router to reconnect to the control plane",
+        )
         wait_for_fleet(stack, fleet)
         after = placements(stack, DOCS)
         traffic.wait_for(50)
     assert during == before == after
     assert_clean(traffic, fleet, 1000)
     assert traffic.backend_failures == []
+
+
+def control_plane_connected(stack: LocalStack) -> tuple[float | None, float | None]:
+    """Envoy's ADS and the router's xDS stream: (1, 1) while both are connected."""
+    envoy = envoy_counters(stack.admin_url, "control_plane.").get("connected_state")
+    return envoy, stack.router_metric("prefix_router_control_plane_connected")
 
 
 def test_scale_3_to_7_to_2_under_load(stack: LocalStack):
@@ -161,17 +187,19 @@ def test_router_config_reload_mid_traffic_rejects_an_invalid_edit(stack: LocalSt
         traffic.wait_for(50)
         # A valid edit applies without a restart (a shorter prefix still separates DOCS).
         stack.write_router_config(prefix_length=1024)
-        wait_until(lambda: "config_reloaded" in stack.router_log_path().read_text(), 10, "reload")
+        wait_until(
+            lambda: "config_reloaded" in stack.router_log_path().read_text(), 10, what="reload"
+        )
         applied = placements(stack, DOCS)
         # An out-of-range value, with a strategy change that must not sneak in with it.
         stack.write_router_config(
             prefix_length=1024, routing_strategy="RANDOM", concurrency_threshold=5000
         )
-        wait_until(lambda: len(rejected_reloads(stack)) >= 1, 10, "the rejected reload")
+        wait_until(lambda: len(rejected_reloads(stack)) >= 1, 10, what="the rejected reload")
         after_invalid = placements(stack, DOCS)
         # Broken YAML is rejected the same way.
         stack.router_config_path().write_text("routing_strategy: [RANDOM\n  prefix_length: {")
-        wait_until(lambda: len(rejected_reloads(stack)) >= 2, 10, "the second rejected reload")
+        wait_until(lambda: len(rejected_reloads(stack)) >= 2, 10, what="the second rejected reload")
         after_garbage = placements(stack, DOCS)
         traffic.wait_for(50)
     out_of_range, garbage = rejected_reloads(stack)[:2]

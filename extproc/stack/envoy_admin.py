@@ -1,0 +1,78 @@
+"""The harness's one reader of Envoy's admin interface: its stats (``/stats?format=json``)
+and its clusters' hosts (``/clusters?format=json``), read as JSON.
+
+Standard library only: the local stack (``prefix-router up``) runs on a base install."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.parse
+import urllib.request
+from typing import Any
+
+
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=2) as response:
+        return json.loads(response.read())
+
+
+def envoy_counters(admin_url: str, prefix: str) -> dict[str, float]:
+    """Envoy's counters and gauges whose names start with ``prefix``, by the rest of the
+    name (``envoy_counters(admin, "http.ingress.ext_proc.")["streams_started"]``)."""
+    pattern = urllib.parse.quote("^" + re.escape(prefix))
+    body = _get_json(f"{admin_url}/stats?format=json&filter={pattern}")
+    values = {}
+    # Counters and gauges are {"name", "value"}; histograms come as one {"histograms"}
+    # entry, and text readouts have a string value: neither is a count.
+    for stat in body.get("stats", []):
+        name, value = stat.get("name"), stat.get("value")
+        if (
+            isinstance(name, str)
+            and name.startswith(prefix)
+            and isinstance(value, int)
+            and not isinstance(value, bool)
+        ):
+            values[name[len(prefix) :]] = float(value)
+    return values
+
+
+def _hosts(admin_url: str, cluster: str) -> list[dict[str, Any]]:
+    """The host statuses of ``cluster`` on Envoy's /clusters page (none when Envoy has no
+    such cluster)."""
+    body = _get_json(f"{admin_url}/clusters?format=json")
+    for status in body.get("cluster_statuses", []):
+        if status.get("name") == cluster:
+            hosts: list[dict[str, Any]] = status.get("host_statuses", [])
+            return hosts
+    return []
+
+
+def _address(host: dict[str, Any]) -> str:
+    """A host's address as Envoy's text pages write it: ip:port, or a Unix socket's path."""
+    address = host["address"]
+    if "pipe" in address:
+        return str(address["pipe"]["path"])
+    socket = address["socket_address"]
+    return f"{socket['address']}:{socket.get('port_value', 0)}"
+
+
+def _healthy(host: dict[str, Any]) -> bool:
+    """Whether none of a host's health flags is set: what the text page shows as
+    ``health_flags::healthy``. Envoy writes every boolean flag that is set (failed active
+    or outlier check, pending removal, ...) and the EDS status (HEALTHY unless EDS said
+    UNHEALTHY, DEGRADED or DRAINING)."""
+    status = host.get("health_status", {})
+    return status.get("eds_health_status") == "HEALTHY" and not any(
+        value is True for value in status.values()
+    )
+
+
+def envoy_hosts(admin_url: str, cluster: str) -> set[str]:
+    """Every address Envoy has in ``cluster``, whatever its health."""
+    return {_address(host) for host in _hosts(admin_url, cluster)}
+
+
+def healthy_hosts(admin_url: str, cluster: str) -> set[str]:
+    """The addresses in ``cluster`` whose health flags are all clear (Envoy's "healthy")."""
+    return {_address(host) for host in _hosts(admin_url, cluster) if _healthy(host)}
