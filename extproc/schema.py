@@ -444,6 +444,11 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
 
 _NULL_WORDS = ("", "none", "null", "off")
+# An environment variable is a string: these spell a true/false field (YAML's own words).
+_BOOL_WORDS = {
+    "true": True, "1": True, "yes": True, "on": True,
+    "false": False, "0": False, "no": False, "off": False,
+}  # fmt: skip
 
 
 def env_values(model: type[BaseModel], env: Mapping[str, str], prefix: str) -> dict[str, Any]:
@@ -460,6 +465,11 @@ def env_values(model: type[BaseModel], env: Mapping[str, str], prefix: str) -> d
             values[name] = None
         elif typing.get_origin(kind) is tuple:
             values[name] = tuple(p for p in (p.strip() for p in raw.split(",")) if p)
+        elif kind is bool:
+            word = raw.strip().lower()
+            if word not in _BOOL_WORDS:
+                raise ConfigError(name, raw, "true or false (also 1/0, yes/no, on/off)")
+            values[name] = _BOOL_WORDS[word]
         elif kind in (int, float):
             try:
                 values[name] = kind(raw)

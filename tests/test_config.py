@@ -168,3 +168,15 @@ def test_a_trusted_salt_header_is_a_lower_case_header_name():
         with pytest.raises(ConfigError) as caught:
             load_config(env={}, overrides={"trusted_salt_header": bad})
         assert caught.value.field == "trusted_salt_header"
+
+
+@pytest.mark.parametrize(
+    ("raw", "value"),
+    [("false", False), ("0", False), ("Off", False), ("true", True), ("YES", True), ("1", True)],
+)
+def test_env_sets_a_true_or_false_field(raw, value):
+    # docs/configuration.md lists PREFIX_ROUTER_KV_EVENTS; a string must be able to say it.
+    assert load_config(env={"PREFIX_ROUTER_KV_EVENTS": raw}).kv_events is value
+    with pytest.raises(ConfigError) as caught:
+        load_config(env={"PREFIX_ROUTER_SHADOW": "maybe"})
+    assert caught.value.field == "shadow" and "true or false" in str(caught.value)
