@@ -1,5 +1,6 @@
-"""The harness's one reader of Envoy's admin interface: its stats (``/stats?format=json``)
-and its clusters' hosts (``/clusters?format=json``), read as JSON.
+"""The harness's one reader of Envoy's admin interface: its stats (``/stats?format=json``),
+its clusters' hosts (``/clusters?format=json``) and its worker count (``/server_info``),
+read as JSON.
 
 Standard library only: the local stack (``prefix-router up``) runs on a base install."""
 
@@ -35,6 +36,11 @@ def envoy_counters(admin_url: str, prefix: str) -> dict[str, float]:
         ):
             values[name[len(prefix) :]] = float(value)
     return values
+
+
+def envoy_workers(admin_url: str) -> int:
+    """Envoy's worker threads (its --concurrency: the machine's cores by default)."""
+    return int(_get_json(f"{admin_url}/server_info")["command_line_options"]["concurrency"])
 
 
 def _hosts(admin_url: str, cluster: str) -> list[dict[str, Any]]:

@@ -413,9 +413,7 @@ class LocalStack:
     def envoy_workers(self, admin_url: str | None = None) -> int:
         """Envoy's worker threads (its --concurrency: the machine's cores by default), of
         the stack's Envoy or the one at ``admin_url``."""
-        admin_url = admin_url or self.admin_url
-        with urllib.request.urlopen(f"{admin_url}/server_info", timeout=2) as response:
-            return int(json.load(response)["command_line_options"]["concurrency"])
+        return envoy_admin.envoy_workers(admin_url or self.admin_url)
 
     def open_completion_logs(
         self,

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2
 from extproc.adapter import epp
 from extproc.adapter.service import SERVICE_NAME
 from extproc.bench.bodies import body_of_size
-from extproc.stack.envoy_admin import healthy_hosts
+from extproc.stack.envoy_admin import envoy_workers, healthy_hosts
 from extproc.stack.epp_gateway import EppGateway
 from extproc.stack.gateways import EPP_CLUSTER
 
@@ -216,11 +216,13 @@ def test_kgateways_subset_hint_limits_the_pick_and_an_ineligible_one_gets_503(
 
 
 def test_the_picker_killed_fails_open_where_the_pool_says_so(gateway: EppGateway, client):
-    """EppUnAvailableFailOpen. The first request to find the picker gone may get Envoy's 500:
-    its body had started to flow into a stream that then failed (FULL_DUPLEX_STREAMED cannot
-    fail open then). That ejects the picker, and every later request fails open at its
-    start. The reference Envoy's ORIGINAL_DST cluster has nowhere to send a request the
-    picker did not place, so it fails closed, at once."""
+    """EppUnAvailableFailOpen. The first requests to find the picker gone may get Envoy's
+    500: the body had started to flow into a stream that then failed (FULL_DUPLEX_STREAMED
+    cannot fail open then). The refused connection ejects the picker; the ejection is
+    decided on Envoy's main thread and reaches each worker thread a moment later, so up to
+    one request per worker may fail this way (CI saw two on 2 workers). Every later request
+    fails open at its start. The reference Envoy's ORIGINAL_DST cluster has nowhere to send
+    a request the picker did not place, so it fails closed, at once."""
     gateway.stop_picker()
     try:
         statuses = []
@@ -236,7 +238,9 @@ def test_the_picker_killed_fails_open_where_the_pool_says_so(gateway: EppGateway
         if gateway.params.gateway == "standalone":
             assert set(statuses) == {500}, statuses
         else:
-            assert statuses[0] in (200, 500) and set(statuses[1:]) == {200}, statuses
+            failed = statuses.index(200) if 200 in statuses else len(statuses)
+            assert failed <= envoy_workers(gateway.admin_url), statuses
+            assert set(statuses[:failed]) <= {500} and set(statuses[failed:]) == {200}, statuses
     finally:
         gateway.start_picker()
     # The ejection ends: the first refused connection ejected the picker (outlier
