@@ -279,6 +279,16 @@ class RouterConfig(FrozenModel):
         "different models (a LoRA adapter's requests need the body). null: never shed.",
         0.2,
     )
+    shed_backlog: Annotated[StrictInt, Field(ge=1, le=1_000_000)] | None = described(
+        "When this many ext_proc streams are open and not yet decided, a new one is shed "
+        "as above (decided on its headers alone, counted in prefix_router_shed_total). A "
+        "burst opens thousands of streams within one turn of the event loop, before its "
+        "lag can show: each waiting message then passes Envoy's message_timeout in grpc's "
+        "queues, not in the loop (docs/benchmarks/burst.md). The default is about what "
+        "one router process decides on the body in 0.2 s on 2 cores. null: shed by the "
+        "lag alone.",
+        256,
+    )
     max_body_bytes: StrictInt = described(
         "The largest request body routed. A larger one is refused at once with 413: at "
         "its headers when its content-length says so, else as soon as more than this has "

@@ -275,7 +275,12 @@ SALT_REJECTED = Counter(
 SHED = Counter(
     "prefix_router_shed",
     "Requests decided on their headers alone, the least loaded host (in epp mode: answered "
-    "429), because the router's event loop ran further behind than shed_lag_s",
+    "429), because the router's event loop ran further behind than shed_lag_s or "
+    "shed_backlog streams were waiting for a decision",
+)
+UNDECIDED = Gauge(
+    "prefix_router_undecided_streams",
+    "ext_proc streams open and not yet decided: past shed_backlog, new ones are shed",
 )
 LOOP_LAG = Gauge(
     "prefix_router_event_loop_lag_seconds",

@@ -23,8 +23,9 @@ served endpoint reported with the response headers corrects the accounting.
 
 A request with no body (headers with end_of_stream) is decided on the headers, and so is
 every request of a stream opened while the router was shedding (its event loop running too
-far behind, ``adapter/lag.py``): the least loaded host, and the stream ends there, so
-Envoy sends no body and waits for nothing more. A body over ``max_body_bytes`` (by its
+far behind, ``adapter/lag.py``, or ``shed_backlog`` streams already waiting for their
+decisions): the least loaded host, and the stream ends there, so Envoy sends no body and
+waits for nothing more. A body over ``max_body_bytes`` (by its
 content-length, or by what has arrived) is refused at once: Envoy answers 413. A stream
 that is over at its decision (STREAMED, ``end_at_decision``, or shed) hands the decision
 to the load feed instead of counting it until the response ends. A message that arrives
@@ -127,6 +128,11 @@ class RequestStream:
     def ended(self) -> bool:
         """Nothing more is owed to Envoy: the service may close the stream now."""
         return self.phase is Phase.DECIDED and self._ends_at_decision
+
+    @property
+    def settled(self) -> bool:
+        """Decided (or refused, or closed): nothing more to decide on this stream."""
+        return self.phase in (Phase.DECIDED, Phase.CLOSED)
 
     @property
     def decide_by(self) -> float | None:

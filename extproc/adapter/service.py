@@ -66,9 +66,14 @@ class ExternalProcessor:
         # How far behind the event loop runs; None: never shed.
         self.lag = lag
         self.reset_wait_s = reset_wait_s
+        # Streams open and not yet decided: the backlog a burst builds before the loop lags.
+        self.undecided = 0
 
     def shedding(self) -> bool:
-        threshold = self.router.config.shed_lag_s
+        config = self.router.config
+        if config.shed_backlog is not None and self.undecided >= config.shed_backlog:
+            return True
+        threshold = config.shed_lag_s
         return self.lag is not None and threshold is not None and self.lag.seconds >= threshold
 
     async def process(
@@ -83,6 +88,8 @@ class ExternalProcessor:
         end_at_decision = self.router.config.stream_end is StreamEnd.DECISION
         stream = RequestStream(self.router, end_at_decision, shed=self.shedding())
         metrics.STREAMS.inc()
+        self.undecided += 1
+        undecided = True
         # A read left pending at a FULL_DUPLEX_STREAMED deadline, taken up next turn.
         pending: asyncio.Future[Any] | None = None
         try:
@@ -103,6 +110,9 @@ class ExternalProcessor:
                     pending = None
                 if request is _EOF:
                     stream.close()  # the request is over: free its slot before the wait
+                    if undecided:
+                        self.undecided -= 1
+                        undecided = False
                     await asyncio.sleep(self.reset_wait_s)
                     break
                 try:
@@ -114,6 +124,9 @@ class ExternalProcessor:
                     log.exception("internal_error")
                     # Like any failure: Envoy's failure mode decides (see StreamAborted).
                     await context.abort(grpc.StatusCode.INTERNAL, "prefix_router_internal_error")
+                if undecided and stream.settled:
+                    self.undecided -= 1
+                    undecided = False
                 for response in responses:
                     yield response
                 if stream.ended:
@@ -125,6 +138,8 @@ class ExternalProcessor:
             # the stream, so the in-flight slot is released exactly once.
             stream.close()
             metrics.STREAMS.dec()
+            if undecided:
+                self.undecided -= 1
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
@@ -330,9 +345,9 @@ async def serve(
     stop = stop or asyncio.Event()
     lag = LoopLag()
     metrics.LOOP_LAG.set_function(lambda: lag.seconds)
-    server.add_generic_rpc_handlers(
-        (ExternalProcessor(router, lag).handler(), AccessLogSink(router, stop).handler())
-    )
+    processor = ExternalProcessor(router, lag)
+    metrics.UNDECIDED.set_function(lambda: processor.undecided)
+    server.add_generic_rpc_handlers((processor.handler(), AccessLogSink(router, stop).handler()))
     health_servicer = HealthService()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     servers = [server]

@@ -405,6 +405,40 @@ def _concurrency_row(runs: Runs, name: str, measure: str) -> Row | None:
     )
 
 
+def _ms(seconds: float | None) -> str:
+    return "none" if seconds is None else f"{seconds * 1000:,.0f} ms"
+
+
+def _burst_rows(runs: Runs) -> list[Row | None]:
+    """A burst's rows: for each level, at the router's defaults, what Envoy's message
+    timeout decided (the issue's target: nothing)."""
+    run = runs.get("burst")
+    if run is None:
+        return []
+    from extproc.bench.burst import summaries
+
+    found: list[Row | None] = []
+    for result in summaries(run):
+        if result["variant"] != "defaults":
+            continue
+        timeouts = result["failures"].get("http.ingress.ext_proc.message_timeouts", 0.0)
+        failed_open = result["failures"].get("http.ingress.ext_proc.failure_mode_allowed", 0.0)
+        found.append(
+            Row(
+                f"{result['level']:,} streaming requests at once (a burst): Envoy's message "
+                "timeouts, requests failed open",
+                "0, every request decided or shed by the router",
+                f"{timeouts:,.0f} timeouts, {failed_open:,.0f} failed open "
+                f"({result['shed']:,.0f} shed), median of {result['rounds']}; "
+                f"TTFT p99 {_ms(result['ttft_s']['p99'])}",
+                "",
+                bool(result["held"]),
+                ("burst",),
+            )
+        )
+    return found
+
+
 def _bodies_row(runs: Runs) -> Row | None:
     run = runs.get("bodies")
     if run is None:
@@ -541,6 +575,7 @@ def rows(runs: Runs) -> list[Row]:
             "through the picker): streams in flight, every one picked, none timed out",
         )
     )
+    found += _burst_rows(runs)
     found.append(_bodies_row(runs))
     found += _shadow_rows(runs)
     found += _replay_rows(runs)

@@ -56,6 +56,7 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> s
 # ``render(data) -> str`` and, if it draws plots, ``render_plots(data, out_dir, name)``.
 RENDERERS = {
     "bodies": "extproc.bench.bodies",
+    "burst": "extproc.bench.burst",
     "concurrency": "extproc.bench.concurrency",
     "fleet": "extproc.bench.fleet_render",
     "fleet-events": "extproc.bench.fleet_events",

@@ -34,3 +34,16 @@ async def test_a_blocked_loop_shows_as_lag_and_an_idle_one_does_not():
     assert lag.seconds < 0.1
     stop.set()
     await asyncio.wait_for(task, 1)
+
+
+async def test_a_wake_up_overdue_counts_before_it_happens():
+    """In a burst, streams opened in the same turn of the loop see the lag rising."""
+    lag = LoopLag(interval_s=0.01, window=5)
+    stop = asyncio.Event()
+    task = asyncio.create_task(lag.run(stop))
+    await asyncio.sleep(0.05)
+    assert lag.seconds < 0.1
+    time.sleep(0.25)  # the loop is held: the task's wake-up is overdue, not yet recorded
+    assert lag.seconds >= 0.2
+    stop.set()
+    await asyncio.wait_for(task, 1)

@@ -217,3 +217,12 @@ def test_concurrency_levels_must_be_ascending_counts(capsys):
     assert "--levels: expected ascending counts" in capsys.readouterr().err
     args = parse_args(["bench", "concurrency", "--levels", "1000,3000"])
     assert args.levels == (1000, 3000)
+
+
+def test_a_burst_runs_without_a_gateway_and_at_least_one_round(capsys):
+    args = parse_args(["bench", "concurrency", "--burst", "--levels", "3000"])
+    assert args.burst and args.rounds == 3 and args.levels == (3000,)
+    assert main(["bench", "concurrency", "--burst", "--gateway", "istio"]) == EXIT_USAGE
+    assert "--burst runs without --gateway" in capsys.readouterr().err
+    assert main(["bench", "concurrency", "--burst", "--rounds", "0"]) == EXIT_USAGE
+    assert "--rounds must be at least 1" in capsys.readouterr().err

@@ -91,8 +91,51 @@ def levels(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def burst(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--burst",
+        action="store_true",
+        help="send each level's requests all at once, with no ramp, once for each way the "
+        "router may answer more streams than it can decide in time (default levels "
+        "3000,6000), for --rounds interleaved rounds (default 3); writes burst.md",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="with --burst: interleaved rounds (default 3)"
+    )
+
+
+def run_burst(args: argparse.Namespace) -> int:
+    from extproc.bench import burst
+
+    if args.rounds < 1:
+        print("prefix-router bench concurrency: --rounds must be at least 1", file=sys.stderr)
+        return 2
+    options = burst.BurstOptions(out_dir=args.out, command=command_line(args), rounds=args.rounds)
+    if args.quick:
+        options = dataclasses.replace(options, levels=(600,), rounds=1, stream_s=3.0, itl_s=0.25)
+    if args.levels:
+        options = dataclasses.replace(options, levels=args.levels)
+    data = burst.run(options)
+    for result in burst.summaries(data):
+        print(
+            f"burst {result['variant']} {result['level']} (median of {result['rounds']}): "
+            f"{result['completed']:.0f} completed, "
+            f"{result['decided']:.0f} decided of which {result['shed']:.0f} shed, "
+            f"held: {result['held']}"
+        )
+    return 0 if all(result["held"] for result in burst.summaries(data)) else 1
+
+
 def run_concurrency(args: argparse.Namespace) -> int:
     from extproc.bench import concurrency
+
+    if args.burst:
+        if args.gateway:
+            print(
+                "prefix-router bench concurrency: --burst runs without --gateway", file=sys.stderr
+            )
+            return 2
+        return run_burst(args)
 
     options = concurrency.ConcurrencyOptions(
         out_dir=args.out, command=command_line(args), gateway=args.gateway
@@ -141,7 +184,7 @@ WORKLOADS = (
         "concurrency",
         "thousands of streaming requests in flight at once through Envoy and the router: "
         "every one decided, no breaker trips, no fail-open; the highest count that holds",
-        (levels, quick, out),
+        (levels, burst, quick, out),
         run_concurrency,
     ),
     Workload(

@@ -1,0 +1,84 @@
+"""The burst benchmark: its verdict on made-up rows, and a smoke-size burst through the real
+Envoy and router, each variant on a fresh stack, rendered from the stored run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from extproc.bench import burst, report
+from extproc.bench.burst import BurstOptions, holds
+
+pytestmark = pytest.mark.envoy
+
+
+def row(**changes):
+    result = {
+        "level": 10,
+        "completed": 10,
+        "decided": 10.0,
+        "shed": 4.0,
+        "variant": "defaults",
+        "failures": {
+            "http.ingress.ext_proc.message_timeouts": 0.0,
+            "http.ingress.ext_proc.failure_mode_allowed": 0.0,
+        },
+    }
+    return result | changes
+
+
+def test_a_row_holds_only_if_the_router_answered_every_request_itself():
+    assert holds(row())
+    assert holds(row(shed=10.0))  # shed requests are decided, on their headers
+    assert not holds(row(completed=9))
+    assert not holds(row(decided=9.0))  # one placed by Envoy's fallback, unseen
+    timed_out = {"http.ingress.ext_proc.message_timeouts": 1.0}
+    assert not holds(row(failures=timed_out))
+
+
+def test_an_unknown_variant_is_named():
+    with pytest.raises(ValueError, match="sometimes"):
+        BurstOptions(variants=("defaults", "sometimes"))
+    with pytest.raises(ValueError, match="rounds"):
+        BurstOptions(rounds=0)
+
+
+def test_rows_are_medians_over_rounds_and_hold_only_if_every_round_held():
+    def measured(timeouts, held, p99):
+        failures = {"http.ingress.ext_proc.message_timeouts": timeouts}
+        ttft = {"p50": p99 / 2, "p99": p99, "max": p99}
+        return row(failures=failures, held=held, ttft_s=ttft, statuses={"200": 10}, variant="v")
+
+    data = {
+        "results": [measured(0.0, True, 1.0), measured(9.0, False, 3.0), measured(1.0, True, 2.0)]
+    }
+    (summary,) = burst.summaries(data)
+    assert summary["rounds"] == 3
+    assert summary["failures"] == {"http.ingress.ext_proc.message_timeouts": 1.0}
+    assert summary["ttft_s"]["p99"] == 2.0
+    assert summary["on_body"] == 6.0
+    assert not summary["held"]
+
+
+@pytest.mark.timeout(240)
+def test_a_smoke_burst_holds_at_the_defaults_and_renders_from_the_stored_run(tmp_path):
+    options = BurstOptions(
+        levels=(600,),
+        variants=("defaults",),
+        stream_s=2.0,
+        itl_s=0.25,
+        out_dir=tmp_path,
+    )
+    data = burst.run(options)
+    by_variant = {result["variant"]: result for result in burst.summaries(data)}
+    assert set(by_variant) == {"defaults"}
+    defaults = by_variant["defaults"]
+    assert defaults["held"], defaults
+    assert defaults["statuses"] == {"200": 600}
+    assert 0 < defaults["ttft_s"]["p50"] <= defaults["ttft_s"]["p99"]
+    stored = json.loads((tmp_path / "burst.json").read_text())
+    rendered = (tmp_path / "burst.md").read_text()
+    assert rendered == burst.render(stored)
+    report.rerender(tmp_path / "burst.json")
+    assert (tmp_path / "burst.md").read_text() == rendered
