@@ -239,7 +239,8 @@ def _median_or_none(values: Iterable[float | None]) -> float | None:
 
 
 def _settings(values: dict[str, Any]) -> str:
-    return ", ".join(f"`{k}: {v}`" for k, v in values.items()) or "the router at its defaults"
+    written = (f"`{k}: {'null' if v is None else v}`" for k, v in values.items())
+    return ", ".join(written) or "the router at its defaults"
 
 
 def render(data: dict[str, Any]) -> str:
