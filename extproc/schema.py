@@ -324,6 +324,9 @@ def choice_values(field: FieldInfo) -> tuple[str, ...] | None:
 def allowed_text(field: FieldInfo) -> str:
     """What a field accepts, in words, for errors."""
     kind, _ = base_type(field)
+    extra = field.json_schema_extra
+    if isinstance(extra, dict) and extra.get("x-allowed") and kind in (int, float):
+        return str(extra["x-allowed"])  # a number or words (workers: 1-64, or auto)
     limits = range_text(field)
     if limits is not None:
         return ("an integer from " if kind is int else "a number from ") + limits
@@ -332,7 +335,6 @@ def allowed_text(field: FieldInfo) -> str:
         return "one of " + ", ".join(values)
     if isinstance(kind, type) and issubclass(kind, BaseModel):
         return "a mapping"
-    extra = field.json_schema_extra
     if isinstance(extra, dict) and extra.get("x-allowed"):
         text = str(extra["x-allowed"])
         if typing.get_origin(kind) is tuple:
@@ -474,7 +476,10 @@ def env_values(model: type[BaseModel], env: Mapping[str, str], prefix: str) -> d
             try:
                 values[name] = kind(raw)
             except ValueError:
-                raise ConfigError(name, raw, allowed_text(field)) from None
+                # A field that reads words of its own (workers: auto) takes them as given.
+                if not any(isinstance(c, BeforeValidator) for c in _constraints(field)):
+                    raise ConfigError(name, raw, allowed_text(field)) from None
+                values[name] = raw.strip()
         else:
             values[name] = raw
     return values

@@ -130,6 +130,21 @@ def test_workers_need_a_port_each_for_grpc_and_metrics():
     assert "at most 3 with metrics_listen on port 65533" in str(caught.value)
 
 
+def test_workers_auto_is_one_per_core_this_process_may_run_on(tmp_path, monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2})
+    assert load_config(env={}, overrides={"workers": "auto"}).workers == 3
+    assert load_config(env={"PREFIX_ROUTER_WORKERS": "auto"}).workers == 3
+    path = tmp_path / "router.yaml"
+    path.write_text("workers: auto\n")
+    assert load_config(path, env={}).workers == 3
+    # More cores than workers may be: the most allowed.
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(100)))
+    assert load_config(env={}, overrides={"workers": "auto"}).workers == 64
+    with pytest.raises(ConfigError) as caught:
+        load_config(env={}, overrides={"workers": "many"})
+    assert caught.value.field == "workers" and "auto" in str(caught.value)
+
+
 def test_the_router_listens_on_a_unix_socket_given_by_an_absolute_path():
     config = load_config(env={}, overrides={"listen": "unix:/run/router.sock", "workers": 2})
     assert config.listen == "unix:/run/router.sock"

@@ -46,7 +46,24 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "backlog 64": {"shed_backlog": 64},
     "shed every request": {"shed_lag_s": 0},
     "streams end at decision": {"stream_end": "decision"},
+    "decision, at most 256 streams": {"stream_end": "decision"},
+    "decision, at most 1024 streams": {"stream_end": "decision"},
 }
+# Envoy's bootstrap settings (BootstrapParams fields) of the variants that change it: the
+# router cluster's breaker, past which a request's stream fails at once and it fails open
+# (cluster.prefix_router.upstream_rq_active_overflow) instead of waiting for the timeout.
+ENVOY_VARIANTS: dict[str, dict[str, Any]] = {
+    "decision, at most 256 streams": {"router_max_streams": 256},
+    "decision, at most 1024 streams": {"router_max_streams": 1024},
+}
+# Envoy's counter of requests whose ext_proc stream the router cluster's breaker refused:
+# each failed open at once, without waiting for message_timeout.
+BREAKER_OVERFLOW = "cluster.prefix_router.upstream_rq_active_overflow"
+# What Envoy's ext_proc filter counts for each of those, too.
+BREAKER_ALSO = (
+    "http.ingress.ext_proc.streams_failed",
+    "http.ingress.ext_proc.failure_mode_allowed",
+)
 
 
 @dataclass(frozen=True)
@@ -57,6 +74,9 @@ class BurstOptions:
         "shed by the lag alone",
         "never shed",
         "shed every request",
+        "streams end at decision",
+        "decision, at most 256 streams",
+        "decision, at most 1024 streams",
     )
     # Each variant and level this many times, interleaved; the report quotes medians.
     rounds: int = 1
@@ -121,6 +141,7 @@ def measure(variant: str, level: int, options: BurstOptions) -> dict[str, Any]:
         sim_args=sim_args,
         upstream_host_header=False,
         router_settings=VARIANTS[variant],
+        envoy_settings=ENVOY_VARIANTS.get(variant, {}),
     )
     with LocalStack(spec) as stack:
         before = decisions(stack)
@@ -153,6 +174,7 @@ def measure(variant: str, level: int, options: BurstOptions) -> dict[str, Any]:
         },
     }
     result["held"] = holds(result)
+    result["no_timeouts"] = waited_for_no_timeout(result)
     log.info("burst.level", variant=variant, level=level, held=result["held"], shed=shed)
     return result
 
@@ -171,6 +193,22 @@ def holds(result: dict[str, Any]) -> bool:
     )
 
 
+def waited_for_no_timeout(result: dict[str, Any]) -> bool:
+    """Every request got its whole reply and none waited for Envoy's message timeout:
+    each was decided by the router, or failed open at once by the router cluster's breaker
+    (the issue's other option), never after a timeout or a failed stream."""
+    failures = result["failures"]
+    moved = {name: value for name, value in failures.items() if value}
+    at_once = moved.get(BREAKER_OVERFLOW, 0.0)
+    # Each refused stream also counts as a failed stream and a fail-open, and no more.
+    return (
+        result["completed"] == result["level"]
+        and result["decided"] + at_once == result["level"]
+        and set(moved) <= {BREAKER_OVERFLOW, *BREAKER_ALSO}
+        and all(moved.get(name, 0.0) == at_once for name in BREAKER_ALSO)
+    )
+
+
 def run(options: BurstOptions) -> dict[str, Any]:
     results = [
         measure(variant, level, options) | {"round": round_}
@@ -182,6 +220,9 @@ def run(options: BurstOptions) -> dict[str, Any]:
         "kind": KIND,
         "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()},
         "settings": {name: VARIANTS[name] for name in options.variants},
+        "envoy_settings": {
+            name: ENVOY_VARIANTS[name] for name in options.variants if name in ENVOY_VARIANTS
+        },
         "machine": report.machine_description(),
         "envoy": report.tool_version([envoy_binary(), "--version"]),
         "results": results,
@@ -196,7 +237,11 @@ def _ms(seconds: float | None) -> str:
 
 
 def _answers(statuses: dict[str, float]) -> str:
-    return ", ".join(f"{'none' if c == '0' else c}: {n:,.0f}" for c, n in sorted(statuses.items()))
+    """Status: requests, medians over rounds; a status whose median is 0 (seen in fewer
+    than half the rounds) is left out."""
+    return ", ".join(
+        f"{'none' if c == '0' else c}: {n:,.0f}" for c, n in sorted(statuses.items()) if n
+    )
 
 
 def summaries(data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -224,6 +269,10 @@ def summaries(data: dict[str, Any]) -> list[dict[str, Any]]:
                     q: _median_or_none(r["ttft_s"][q] for r in results) for q in ("p50", "p99")
                 },
                 "held": all(r["held"] for r in results),
+                # Runs stored before this was measured say None.
+                "no_timeouts": all(r.get("no_timeouts", False) for r in results)
+                if all("no_timeouts" in r for r in results)
+                else None,
             }
         )
     return found
@@ -238,9 +287,12 @@ def _median_or_none(values: Iterable[float | None]) -> float | None:
     return float(statistics.median(present)) if present else None
 
 
-def _settings(values: dict[str, Any]) -> str:
-    written = (f"`{k}: {'null' if v is None else v}`" for k, v in values.items())
-    return ", ".join(written) or "the router at its defaults"
+def _settings(values: dict[str, Any], envoy: dict[str, Any] | None = None) -> str:
+    written = ", ".join(f"`{k}: {'null' if v is None else v}`" for k, v in values.items())
+    router = written or "the router at its defaults"
+    if not envoy:
+        return router
+    return router + "; Envoy: " + ", ".join(f"`{k}={v}`" for k, v in envoy.items())
 
 
 def render(data: dict[str, Any]) -> str:
@@ -259,6 +311,7 @@ def render(data: dict[str, Any]) -> str:
                 ", ".join(f"`{k}` {v:,.0f}" for k, v in failed.items()) or "all 0",
                 _ms(result["ttft_s"]["p50"]),
                 _ms(result["ttft_s"]["p99"]),
+                {True: "yes", False: "no", None: ""}[result["no_timeouts"]],
                 "**yes**" if result["held"] else "no",
             ]
         )
@@ -266,11 +319,13 @@ def render(data: dict[str, Any]) -> str:
         ["variant", "requests at once", "completed", "answers (status: requests)",
          "decided on the body", "shed (decided on the headers)",
          "Envoy's breaker, timeout and fail-open counters", "TTFT p50 (ms)", "TTFT p99 (ms)",
-         "held"],
+         "none waited for a timeout", "held"],
         rows,
     )  # fmt: skip
+    envoy = data.get("envoy_settings", {})
     settings = "\n".join(
-        f"- {name}: {_settings(values)}" for name, values in data["settings"].items()
+        f"- {name}: {_settings(values, envoy.get(name))}"
+        for name, values in data["settings"].items()
     )
     held = [r for r in summaries(data) if r["held"]]
     verdict = (
@@ -287,7 +342,11 @@ router, to {options["backends"]} simulated vLLM instances whose replies stream
 runs on a fresh stack. A row holds when every request gets its whole reply, the router
 decided every one (on the body, or shed: on the headers alone, the least loaded host), and
 Envoy's counters {", ".join(f"`{p}{n}`" for p, names in FAILURE_COUNTERS.items() for n in names)}
-all stay 0: no request waited for Envoy's message timeout or was failed open unseen. TTFT is
+all stay 0: no request waited for Envoy's message timeout or was failed open unseen. "None
+waited for a timeout" is the weaker outcome the breaker variants aim at: every reply whole,
+and each request either decided by the router or failed open at once by the router
+cluster's breaker (`{BREAKER_OVERFLOW}`, counted by Envoy), none after a timeout or a failed
+stream. TTFT is
 the client's, from sending the request to the first token. Each row is the median of its
 {options["rounds"]} round(s), run interleaved; it holds only if every round held.
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from extproc.bench import real_vllm
 from extproc.bench.ceiling import SHARE_CAP, stored_ceiling
 from extproc.bench.fleet_paths import (
     APPROXIMATE,
@@ -241,6 +242,23 @@ def _real_vllm_rows(runs: Runs) -> Iterable[Row]:
             ratio >= 0.9 and min(shares) >= 0.2,
             ("real-vllm-cpu",),
         )
+    # Router workers against one router process (issue 26): every worker count run.
+    results = [real_vllm.PathResult(**r) for r in run["results"]]
+    for scenario, path in by:
+        ours, many = by.get((scenario, OURS)), by[scenario, path]
+        if ours is None or not path.startswith(OURS + ", "):
+            continue
+        points = 100 * (many["hit_rate"] - ours["hit_rate"])
+        allowed = real_vllm.workers_allowance(results, scenario, path)
+        moved = f"; {allowed:.1f} allowed for requests moved by load" if allowed > 2 else ""
+        yield Row(
+            f"real vLLM (CPU), {scenario}: {path.removeprefix(OURS + ', ')} vs one router process",
+            f"within {real_vllm.WORKERS_POINTS:g} points",
+            f"{many['hit_rate']:.1%} vs {ours['hit_rate']:.1%} ({points:+.1f}{moved})",
+            "",
+            abs(points) <= allowed,
+            ("real-vllm-cpu",),
+        )
 
 
 def _sim_vs_vllm_row(runs: Runs) -> Row | None:
@@ -415,7 +433,7 @@ def _burst_rows(runs: Runs) -> list[Row | None]:
     run = runs.get("burst")
     if run is None:
         return []
-    from extproc.bench.burst import summaries
+    from extproc.bench.burst import BREAKER_OVERFLOW, ENVOY_VARIANTS, summaries
 
     found: list[Row | None] = []
     for result in summaries(run):
@@ -433,6 +451,25 @@ def _burst_rows(runs: Runs) -> list[Row | None]:
                 f"TTFT p99 {_ms(result['ttft_s']['p99'])}",
                 "",
                 bool(result["held"]),
+                ("burst",),
+            )
+        )
+    # The breaker variants: a request past the cap fails open at once, counted by Envoy.
+    for result in summaries(run):
+        if result["variant"] not in ENVOY_VARIANTS or result.get("no_timeouts") is None:
+            continue
+        timeouts = result["failures"].get("http.ingress.ext_proc.message_timeouts", 0.0)
+        at_once = result["failures"].get(BREAKER_OVERFLOW, 0.0)
+        found.append(
+            Row(
+                f"{result['level']:,} at once, {result['variant']} (Envoy's breaker on the "
+                "router cluster): message timeouts",
+                "0; the rest failed open at once, counted",
+                f"{timeouts:,.0f} timeouts, {at_once:,.0f} failed open at once, "
+                f"{result['decided']:,.0f} decided by the router, median of "
+                f"{result['rounds']}; TTFT p99 {_ms(result['ttft_s']['p99'])}",
+                "",
+                bool(result["no_timeouts"]),
                 ("burst",),
             )
         )

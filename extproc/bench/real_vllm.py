@@ -10,6 +10,12 @@ prefix index), so every path starts cold on the same requests:
   PrefixLength of 8192) each asked several questions, several requests at once.
 - ``conversations``: multi-turn chats that share a system prompt, started a little apart
   and run side by side; each turn resends the history, vLLM's own replies included.
+- ``many-documents``: twice the documents, more than one instance's cache holds, several
+  requests at once (where two router workers without KV events fell from 0.728 to 0.624).
+
+PREFIX_AWARE also runs as ``router --workers N`` (``PREFIX_AWARE, N workers``), every worker
+subscribed to every engine's KV events, against the one process of ``PREFIX_AWARE``: the
+workers must decide as one.
 
 The single-instance path sends the requests straight to one vLLM: its hit rate is what
 affinity can at best keep. The router runs at its default settings.
@@ -45,7 +51,8 @@ log = structlog.get_logger("bench")
 
 SINGLE = "single-instance"
 PATHS = (SINGLE, "RANDOM", "PREFIX_AWARE")
-SCENARIOS = ("documents", "rag", "conversations")
+SCENARIOS = ("documents", "rag", "conversations", "many-documents")
+WORKERS_SUFFIX = " workers"
 # Shadow mode on real vLLM: the scenario served with RANDOM while the router shadows it;
 # its prediction is set against the scenario's PREFIX_AWARE path.
 SHADOW = "RANDOM-shadowing"
@@ -85,6 +92,13 @@ class RealVllmOptions:
     user_turn_chars: int = 300
     reply_tokens: int = 32
     conversation_stagger_s: float = 1.0
+    # many-documents: twelve of the documents' ~3.3k-token documents (~40k tokens; one
+    # instance's cache holds about five), three questions each, six requests at a time.
+    many_documents: int = 12
+    many_documents_questions: int = 3
+    many_documents_concurrency: int = 6
+    # PREFIX_AWARE again as ``router --workers N``, for each N here.
+    router_workers: tuple[int, ...] = (2, 4)
     max_tokens: int = 4
     seed: int = 11
     device: str = "cpu"
@@ -281,9 +295,28 @@ def _envoy_moves(stack: LocalStack) -> tuple[int, int]:
     return int(ext_proc.get("failure_mode_allowed", 0)), int(backends.get("upstream_rq_retry", 0))
 
 
+def _shed(stack: LocalStack) -> int:
+    return sum(
+        int(stack.router_metric("prefix_router_shed_total", endpoint) or 0)
+        for endpoint in stack.live_router_endpoints()
+    )
+
+
 def _reset_caches(addresses: list[str]) -> None:
     for address in addresses:
         httpx.post(f"http://{address}/reset_prefix_cache", timeout=30).raise_for_status()
+
+
+def workers_path(workers: int) -> str:
+    """The path of PREFIX_AWARE as ``router --workers workers``."""
+    return f"PREFIX_AWARE, {workers}{WORKERS_SUFFIX}"
+
+
+def path_workers(path: str) -> int:
+    """How many router workers ``path`` runs (1 unless it is a workers_path)."""
+    if not path.endswith(WORKERS_SUFFIX):
+        return 1
+    return int(path.removesuffix(WORKERS_SUFFIX).rsplit(" ", 1)[1])
 
 
 def run_path(stack: LocalStack, scenario: str, path: str, options: RealVllmOptions) -> PathResult:
@@ -292,10 +325,11 @@ def run_path(stack: LocalStack, scenario: str, path: str, options: RealVllmOptio
     if path == SINGLE:
         url, involved, default_host = f"http://{addresses[0]}", addresses[:1], addresses[0]
     else:
+        stack.use_router_workers(path_workers(path))
         if path == SHADOW:
             stack.write_router_config(routing_strategy="RANDOM", shadow=True)
         else:
-            stack.write_router_config(routing_strategy=path)
+            stack.write_router_config(routing_strategy=path.split(",")[0])
         stack.restart_routers()
         # The path before (one instance alone, say) pressed some caches more than others;
         # this path starts from an idle fleet, as it starts from cold caches.
@@ -319,6 +353,15 @@ def run_path(stack: LocalStack, scenario: str, path: str, options: RealVllmOptio
             options, options.documents, options.document_chars, options.questions, "documents"
         )
         _run_documents(url, requests, 1, recorder)
+    elif scenario == "many-documents":
+        requests = document_requests(
+            options,
+            options.many_documents,
+            options.document_chars,
+            options.many_documents_questions,
+            "many-documents",
+        )
+        _run_documents(url, requests, options.many_documents_concurrency, recorder)
     else:
         raise ValueError(f"unknown scenario {scenario!r}")
     seconds = time.monotonic() - started
@@ -345,8 +388,8 @@ def run_path(stack: LocalStack, scenario: str, path: str, options: RealVllmOptio
         predicted_hit_rate=predicted,
         failed_open=envoy_after[0] - envoy_before[0],
         retried=envoy_after[1] - envoy_before[1],
-        # The router restarted for this path: its count is this path's.
-        shed=int(stack.router_metric("prefix_router_shed_total") or 0) if path != SINGLE else 0,
+        # The routers restarted for this path: their counts are this path's.
+        shed=_shed(stack) if path != SINGLE else 0,
     )
     log.info("bench.real_vllm", scenario=scenario, path=path, hit_rate=round(result.hit_rate, 3))
     return result
@@ -377,18 +420,41 @@ def real_vllm_stack(
     servers = start_vllm(python, vllm_options, addresses, work / "vllm")
     try:
         spec = replace(
-            StackSpec.ephemeral(0, external_backends=tuple(addresses), work_dir=work / "stack"),
+            StackSpec.ephemeral(
+                0,
+                external_backends=tuple(addresses),
+                work_dir=work / "stack",
+                router_workers=max(options.router_workers, default=1),
+            ),
             control_plane_settings={"health": CPU_ENGINE_HEALTH},
         )
-        with LocalStack(spec) as stack:
+        stack = LocalStack(spec)
+        # One router process until a path asks for more (Envoy knows every worker's port).
+        stack.use_router_workers(1)
+        with stack:
             yield stack, servers
     finally:
         for server in servers:
             server.stop(timeout=20)
 
 
-def paths_of(scenario: str) -> tuple[str, ...]:
-    return (*PATHS, SHADOW) if scenario in SHADOW_SCENARIOS else PATHS
+def paths_of(scenario: str, options: RealVllmOptions) -> tuple[str, ...]:
+    paths = (*PATHS, *(workers_path(n) for n in options.router_workers if n > 1))
+    return (*paths, SHADOW) if scenario in SHADOW_SCENARIOS else paths
+
+
+def run_order(options: RealVllmOptions) -> list[tuple[str, str]]:
+    """(scenario, path) in the order they run: every routed path first, then every
+    scenario straight to one instance. That path's traffic on one host is the cache
+    pressure a routed path after it must wait to die away (about 40 s each: the rates
+    are smoothed over 10 s), and nothing after it needs the fleet idle."""
+    routed = [
+        (scenario, path)
+        for scenario in options.scenarios
+        for path in paths_of(scenario, options)
+        if path != SINGLE
+    ]
+    return routed + [(scenario, SINGLE) for scenario in options.scenarios]
 
 
 def shadow_error(results: list[PathResult], scenario: str) -> float | None:
@@ -406,11 +472,16 @@ def run(options: RealVllmOptions) -> list[PathResult]:
         tempfile.TemporaryDirectory(prefix="real-vllm-") as tmp,
         real_vllm_stack(options, Path(tmp)) as (stack, _),
     ):
-        results = [
-            run_path(stack, scenario, path, options)
-            for scenario in options.scenarios
-            for path in paths_of(scenario)
-        ]
+        ran = {
+            (scenario, path): run_path(stack, scenario, path, options)
+            for scenario, path in run_order(options)
+        }
+    # The report's order: by scenario, each path as paths_of lists them.
+    results = [
+        ran[scenario, path]
+        for scenario in options.scenarios
+        for path in paths_of(scenario, options)
+    ]
     if options.out_dir is not None:
         write_report(options, results)
     return results
@@ -441,6 +512,33 @@ def _shadow_line(results: list[PathResult]) -> str:
     return "".join(lines)
 
 
+def workers_difference(results: list[PathResult], scenario: str, path: str) -> float | None:
+    """Points of hit rate ``path`` (a workers_path) got above (+) or below (-) one router
+    process on ``scenario``; None for any other path, or without the one-process run."""
+    if path_workers(path) == 1:
+        return None
+    by_path = {r.path: r for r in results if r.scenario == scenario}
+    one, many = by_path.get("PREFIX_AWARE"), by_path.get(path)
+    if one is None or many is None:
+        return None
+    return 100 * (many.hit_rate - one.hit_rate)
+
+
+# Issue 26's bound on router workers against one router process, in points of hit rate.
+WORKERS_POINTS = 2.0
+
+
+def workers_allowance(results: list[PathResult], scenario: str, path: str) -> float:
+    """How far ``path`` (a workers_path) may be from one router process on ``scenario``:
+    WORKERS_POINTS, plus one request's share of the hit rate for each request moved by
+    load (failed open, retried or shed) in either run. A moved request is served away
+    from its prefix and misses at most its own prompt (the scenarios' prompts are of one
+    length to within a chat turn), which the other run hit."""
+    by_path = {r.path: r for r in results if r.scenario == scenario}
+    one, many = by_path["PREFIX_AWARE"], by_path[path]
+    return WORKERS_POINTS + 100 * (one.moved_by_load + many.moved_by_load) / one.requests
+
+
 def render(data: dict[str, Any]) -> str:
     options = data["options"]
     results = [PathResult(**r) for r in data["results"]]
@@ -449,6 +547,7 @@ def render(data: dict[str, Any]) -> str:
         single = next(
             r for r in results if r.scenario == result.scenario and r.path == SINGLE
         ).hit_rate
+        difference = workers_difference(results, result.scenario, result.path)
         ttft = [t for t in result.ttft_ms if t == t]
         rows.append(
             [
@@ -457,6 +556,8 @@ def render(data: dict[str, Any]) -> str:
                 result.requests,
                 f"{result.hit_rate:.1%}",
                 f"{result.hit_rate / single:.0%}" if single else "n/a",
+                "" if difference is None else f"{difference:+.1f}",
+                result.moved_by_load,
                 f"{result.min_share:.0%} to {result.max_share:.0%}",
                 f"{result.affinity:.0%}",
                 f"{statistics.median(ttft):.0f}" if ttft else "",
@@ -467,7 +568,8 @@ def render(data: dict[str, Any]) -> str:
         )
     table = report.markdown_table(
         ["scenario", "path", "requests", "hit rate (vLLM counters)", "of one instance's",
-         "per-instance share", "groups on one instance", "TTFT p50 (ms)", "req/s",
+         "points vs one router process", "moved by load", "per-instance share",
+         "groups on one instance", "TTFT p50 (ms)", "req/s",
          "health ejections", "shadow's prediction for PREFIX_AWARE"],
         rows,
     )  # fmt: skip
@@ -496,6 +598,17 @@ so nothing is ever cached twice).
   turns after a shared {options["system_chars"]}-character system prompt, started
   {options["conversation_stagger_s"]} s apart and run side by side; each turn resends the
   history with vLLM's own replies ({options["reply_tokens"]} tokens each).
+- **many-documents**: {options.get("many_documents", 0)} documents of
+  {options["document_chars"]} characters (more than one instance's cache holds),
+  {options.get("many_documents_questions", 0)} questions each, shuffled,
+  {options.get("many_documents_concurrency", 0)} requests at a time.
+
+`PREFIX_AWARE, N workers` is the same router as `router --workers N`: N processes behind
+Envoy's ext_proc cluster, each subscribed to every engine's KV events; "points vs one router
+process" is its hit rate less `PREFIX_AWARE`'s, to be within {WORKERS_POINTS:g} points plus
+one request's share for each request moved by load in either run. "Moved by load" counts
+the requests placed without the routing's choice: failed open by Envoy, retried to another
+host, or shed by a router running late (three CPU engines share two cores here).
 
 {table}
 {_shadow_line(results)}

@@ -32,6 +32,16 @@ def choices(values: type[Enum] | Iterable[str]) -> list[str]:
     return [str(getattr(value, "value", value)) for value in values]
 
 
+def workers_count(text: str) -> int | str:
+    """A --workers value: a number, or auto (one per core, resolved by the config)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
+
+
 def host_address(text: str) -> str:
     """An ``ip:port`` flag (IPv6 in brackets), normalised as the config files have it."""
     try:

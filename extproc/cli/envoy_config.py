@@ -85,6 +85,15 @@ def register(commands: Commands) -> None:
         f"{BootstrapParams.max_concurrent}; Envoy's own is 1024)",
     )
     parser.add_argument(
+        "--router-max-streams",
+        type=int,
+        metavar="N",
+        help="the most ext_proc streams Envoy holds open to the routers at once: past it a "
+        "request fails open at once (cluster.prefix_router.upstream_rq_active_overflow) "
+        "instead of waiting for message_timeout. Use it with the routers' stream_end: "
+        "decision, where only undecided requests hold a stream (default: --max-concurrent)",
+    )
+    parser.add_argument(
         "--buffer-limit-bytes",
         type=int,
         default=BootstrapParams.buffer_limit_bytes,
@@ -230,6 +239,11 @@ def run(args: argparse.Namespace) -> int:
         return usage_error(
             "envoy-config", f"--max-concurrent must be 1-1000000, got {args.max_concurrent}"
         )
+    if args.router_max_streams is not None and not 1 <= args.router_max_streams <= 1_000_000:
+        return usage_error(
+            "envoy-config",
+            f"--router-max-streams must be 1-1000000, got {args.router_max_streams}",
+        )
     if not 1024 * 1024 <= args.buffer_limit_bytes <= 2**31:
         return usage_error(
             "envoy-config",
@@ -265,6 +279,7 @@ def run(args: argparse.Namespace) -> int:
         upstream_host_header=args.upstream_host_header,
         trusted_salt_header=args.trusted_salt_header,
         max_concurrent=args.max_concurrent,
+        router_max_streams=args.router_max_streams,
         buffer_limit_bytes=args.buffer_limit_bytes,
         backend_idle_timeout_s=args.backend_idle_timeout_s,
         body_mode=args.body_mode,

@@ -27,6 +27,7 @@ from extproc.cli.common import (
     add_routing_flags,
     host_address,
     routing_overrides,
+    workers_count,
 )
 
 # The reference chart's flags this picker accepts and does not act on. Discovery comes
@@ -95,11 +96,11 @@ def register(commands: Commands) -> None:
     )
     parser.add_argument(
         "--workers",
-        type=int,
+        type=workers_count,
         metavar="N",
         help="picker processes, all on the gRPC and health ports (SO_REUSEPORT: the kernel "
-        "spreads connections over them), worker i on the metrics port + i (default 1; one "
-        "per core serves the most streams)",
+        "spreads connections over them), worker i on the metrics port + i; auto: one per "
+        "core (default 1; one per free core serves the most streams)",
     )
     parser.add_argument(
         "--secure-serving",

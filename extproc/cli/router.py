@@ -13,6 +13,7 @@ from extproc.cli.common import (
     host_address,
     listen_address,
     routing_overrides,
+    workers_count,
 )
 
 
@@ -42,10 +43,11 @@ def register(commands: Commands) -> None:
     )
     parser.add_argument(
         "--workers",
-        type=int,
+        type=workers_count,
         metavar="N",
         help="router processes, worker i on the --listen and --metrics-listen ports + i "
-        "(a --listen socket's path + .i) (default 1; one per core serves the most streams)",
+        "(a --listen socket's path + .i); auto: one per core (default 1; one per free core "
+        "serves the most streams)",
     )
     add_routing_flags(parser)
     parser.set_defaults(handler=run)

@@ -23,6 +23,7 @@ from extproc.cli.common import (
     ip_port,
     routing_overrides,
     usage_error,
+    workers_count,
 )
 from extproc.stack.bootstrap import BODY_MODES, MODES
 
@@ -91,11 +92,11 @@ def register(commands: Commands) -> None:
     )
     parser.add_argument(
         "--workers",
-        type=int,
+        type=workers_count,
         default=1,
         metavar="N",
         help="router processes, worker i on the router's ports + i; each is an endpoint of "
-        "Envoy's ext_proc cluster (default 1)",
+        "Envoy's ext_proc cluster; auto: one per core (default 1)",
     )
     sim = parser.add_argument_group("the simulated fleet (not with --backend)")
     sim.add_argument(
@@ -158,7 +159,7 @@ def stack_spec(args: argparse.Namespace) -> StackSpec:
         "metrics_listen": "{}:{}".format(*args.router_metrics),
         "workers": args.workers,
     }
-    load_config(env={}, overrides={**overrides, **addresses})
+    config = load_config(env={}, overrides={**overrides, **addresses})
     sim = {
         name: SIM_DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
         for name in SIM_DEFAULTS
@@ -176,7 +177,7 @@ def stack_spec(args: argparse.Namespace) -> StackSpec:
         router_settings=overrides,
         upstream_host_header=not args.no_upstream_host_header,
         body_mode=args.body_mode,
-        router_workers=args.workers,
+        router_workers=config.workers,
         sim_args=("--ttft-ms", str(sim["sim_ttft_ms"]), "--itl-ms", str(sim["sim_itl_ms"])),
         work_dir=args.work_dir,
     )

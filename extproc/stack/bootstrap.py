@@ -91,6 +91,14 @@ class BootstrapParams:
     # a request, and in buffered-partial mode its ext_proc stream, for the whole
     # generation; Envoy's default of 1024 made requests past it fail open in silence.
     max_concurrent: int = 16384
+    # The most ext_proc streams Envoy holds open to the routers at once (the router
+    # cluster's max_requests); None: max_concurrent. Past it a request's stream fails at
+    # once and the request fails open, counted in
+    # cluster.prefix_router.upstream_rq_active_overflow, instead of waiting in the routers'
+    # queues for message_timeout. With stream_end: response every request in flight holds
+    # a stream to its end, so a cap fails open the requests past it: use it with
+    # stream_end: decision, where only the undecided hold one.
+    router_max_streams: int | None = None
     # Envoy closes a backend connection idle this long. vLLM's API server closes one idle
     # for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); were Envoy's limit the longer (its default is
     # an hour), a request sent as vLLM closes the connection is reset, and Envoy's retry
@@ -147,16 +155,17 @@ def backend_idle_timeout(seconds: float) -> dict[str, Any]:
     }
 
 
-def circuit_breakers(max_concurrent: int) -> dict[str, Any]:
-    """One cluster's breakers: ``max_concurrent`` requests, pending requests and
-    connections; retries in flight at a sixteenth of that (Envoy's default is 3)."""
+def circuit_breakers(max_concurrent: int, max_requests: int | None = None) -> dict[str, Any]:
+    """One cluster's breakers: ``max_concurrent`` requests (or ``max_requests``), pending
+    requests and connections; retries in flight at a sixteenth of that (Envoy's default
+    is 3)."""
     return {
         "thresholds": [
             {
                 "priority": "DEFAULT",
                 "max_connections": max_concurrent,
                 "max_pending_requests": max_concurrent,
-                "max_requests": max_concurrent,
+                "max_requests": max_concurrent if max_requests is None else max_requests,
                 "max_retries": max(3, max_concurrent // 16),
             }
         ]
@@ -178,7 +187,7 @@ def _router_cluster(params: BootstrapParams) -> dict[str, Any]:
         "type": "STATIC",
         "connect_timeout": "0.25s",
         "lb_policy": "LEAST_REQUEST",
-        "circuit_breakers": circuit_breakers(params.max_concurrent),
+        "circuit_breakers": circuit_breakers(params.max_concurrent, params.router_max_streams),
         "typed_extension_protocol_options": _http2_options(),
         "load_assignment": _endpoints(ROUTER_CLUSTER, params.routers),
         # gRPC health checks take a draining router out before its streams are cut.

@@ -258,6 +258,9 @@ class LocalStack:
                 ((host, port + i), (metrics_host, metrics_port + i))
                 for i in range(spec.router_workers)
             ]
+        # Workers the router process runs now: the spec's, or fewer (use_router_workers),
+        # with the rest of Envoy's endpoints failing their health checks.
+        self.live_workers = spec.router_workers
         self.routers: list[ManagedProcess | None] = [None] * spec.router_replicas
         self.envoy: ManagedProcess | None = None
         self.control_plane: ManagedProcess | None = None
@@ -386,7 +389,7 @@ class LocalStack:
                 "metrics_listen": _join(metrics_listen),
             }
             if self.spec.router_workers > 1:
-                config["workers"] = self.spec.router_workers
+                config["workers"] = self.live_workers
             if self.spec.control_plane is None:
                 config["hosts"] = self.backend_addresses
             else:
@@ -497,8 +500,27 @@ class LocalStack:
     def _endpoints_of(self, replica: int) -> range:
         """The indexes in ``router_addresses`` that router process ``replica`` serves."""
         if self.spec.router_workers > 1:
-            return range(self.spec.router_workers)
+            return range(self.live_workers)
         return range(replica, replica + 1)
+
+    def use_router_workers(self, workers: int) -> None:
+        """Run ``workers`` of the spec's ``router_workers`` from the next router config and
+        restart on (Envoy knows them all; the health checks take the others out)."""
+        if not 1 <= workers <= self.spec.router_workers:
+            raise StackError(
+                f"workers must be 1 to the spec's router_workers "
+                f"({self.spec.router_workers}), got {workers}"
+            )
+        self.live_workers = workers
+
+    def live_router_endpoints(self) -> list[int]:
+        """Indexes in ``router_addresses`` of the router endpoints running now."""
+        return [
+            e
+            for replica, process in enumerate(self.routers)
+            if process is not None
+            for e in self._endpoints_of(replica)
+        ]
 
     def start_routers(self) -> None:
         for replica in range(len(self.routers)):

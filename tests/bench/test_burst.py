@@ -3,12 +3,14 @@ Envoy and router, each variant on a fresh stack, rendered from the stored run.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from extproc.bench import burst, report
 from extproc.bench.burst import BurstOptions, holds
+from extproc.stack.bootstrap import BootstrapParams
 
 pytestmark = pytest.mark.envoy
 
@@ -35,6 +37,33 @@ def test_a_row_holds_only_if_the_router_answered_every_request_itself():
     assert not holds(row(decided=9.0))  # one placed by Envoy's fallback, unseen
     timed_out = {"http.ingress.ext_proc.message_timeouts": 1.0}
     assert not holds(row(failures=timed_out))
+
+
+def test_none_waited_for_a_timeout_allows_only_the_breakers_fail_open_at_once():
+    overflow = burst.BREAKER_OVERFLOW
+    fail_open = "http.ingress.ext_proc.failure_mode_allowed"
+    failed = "http.ingress.ext_proc.streams_failed"
+    assert burst.waited_for_no_timeout(row())
+    # Four refused by the breaker, failed open at once: none waited.
+    at_once = {overflow: 4.0, fail_open: 4.0, failed: 4.0}
+    assert burst.waited_for_no_timeout(row(decided=6.0, failures=at_once))
+    assert not holds(row(decided=6.0, failures=at_once))  # the router did not answer them
+    # One more failed open than the breaker refused: it waited, or its stream failed.
+    assert not burst.waited_for_no_timeout(
+        row(decided=5.0, failures={overflow: 4.0, fail_open: 5.0, failed: 5.0})
+    )
+    timed_out = at_once | {"http.ingress.ext_proc.message_timeouts": 1.0}
+    assert not burst.waited_for_no_timeout(row(decided=6.0, failures=timed_out))
+    assert not burst.waited_for_no_timeout(row(decided=6.0, completed=9, failures=at_once))
+
+
+def test_a_variant_that_changes_envoy_names_it_beside_the_router_settings():
+    for name, envoy in burst.ENVOY_VARIANTS.items():
+        assert name in burst.VARIANTS
+        assert set(envoy) <= {f.name for f in dataclasses.fields(BootstrapParams)}
+    assert burst._settings({"stream_end": "decision"}, {"router_max_streams": 256}) == (
+        "`stream_end: decision`; Envoy: `router_max_streams=256`"
+    )
 
 
 def test_an_unknown_variant_is_named():

@@ -12,6 +12,7 @@ from extproc.cli import EXIT_USAGE, main, parse_args
 from extproc.cli.up import stack_spec
 from extproc.picker.decide import Strategy
 from extproc.picker.keys import KeyMode
+from extproc.stack.bootstrap import BootstrapParams
 from extproc.stack.local import LocalStack
 
 BACKENDS = ("127.0.0.21:9000", "127.0.0.22:9001")
@@ -153,6 +154,15 @@ def test_up_runs_the_router_with_its_workers():
     assert spec.router_workers == 2 and spec.router_replicas == 1
 
 
+def test_workers_auto_is_one_per_core(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2})
+    assert stack_spec(parse_args(["up", "--workers", "auto"])).router_workers == 3
+    for command in ("router", "epp"):
+        assert parse_args([command, "--workers", "auto"]).workers == "auto"
+    result = run("router", "--workers", "some")
+    assert result.returncode == 2 and "expected a number or auto, got 'some'" in result.stderr
+
+
 def test_envoy_config_original_dst_takes_the_routers_header():
     result = run("envoy-config", "--mode", "original-dst")
     assert result.returncode == 0
@@ -284,3 +294,20 @@ def test_an_invalid_choice_lists_the_allowed_values(capsys, command, flag, value
     assert f"argument {flag}: invalid choice: 'NOT-A-CHOICE'" in err
     for value in values:
         assert repr(value) in err
+
+
+def test_envoy_config_caps_the_routers_streams_only_where_asked(capsys):
+    def limits(config: dict, name: str) -> dict:
+        (cluster,) = [c for c in config["static_resources"]["clusters"] if c["name"] == name]
+        (thresholds,) = cluster["circuit_breakers"]["thresholds"]
+        return thresholds
+
+    default = bootstrap(capsys)
+    assert limits(default, "prefix_router")["max_requests"] == BootstrapParams.max_concurrent
+    capped = bootstrap(capsys, "--router-max-streams", "512")
+    assert limits(capped, "prefix_router")["max_requests"] == 512
+    # Only the routers' streams: the backends, and the routers' connections, keep theirs.
+    assert limits(capped, "prefix_router")["max_connections"] == BootstrapParams.max_concurrent
+    assert limits(capped, "vllm")["max_requests"] == BootstrapParams.max_concurrent
+    assert main(["envoy-config", "--router-max-streams", "0"]) == EXIT_USAGE
+    assert "--router-max-streams must be 1-1000000, got 0" in capsys.readouterr().err

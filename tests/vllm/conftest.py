@@ -10,6 +10,8 @@ import pytest
 from extproc.bench.real_vllm import RealVllmOptions, real_vllm_stack
 from extproc.stack.vllm import VllmUnavailable, vllm_python
 
+from .tier import TIER_SCENARIOS, TIER_WORKERS
+
 
 @pytest.fixture(scope="session")
 def vllm_interpreter() -> str:
@@ -23,7 +25,7 @@ def vllm_interpreter() -> str:
 
 @pytest.fixture(scope="session")
 def options() -> RealVllmOptions:
-    return RealVllmOptions(out_dir=None)
+    return RealVllmOptions(out_dir=None, scenarios=TIER_SCENARIOS, router_workers=TIER_WORKERS)
 
 
 @pytest.fixture(scope="session")

@@ -8,21 +8,25 @@ import httpx
 import pytest
 
 from extproc.bench.real_vllm import (
-    SCENARIOS,
     SHADOW,
     SHADOW_SCENARIOS,
     SINGLE,
-    paths_of,
+    run_order,
     run_path,
     shadow_error,
+    workers_allowance,
+    workers_difference,
+    workers_path,
 )
 from extproc.control.loadfeed import parse_vllm_metrics
 from extproc.picker.keys import KeyMode, extract_key
 from extproc.stack.processes import wait_until
 from extproc.stack.vllm import VllmOptions
 
-# The first test also runs the module's fixture: three scenarios on three paths each, on
-# three CPU engines sharing two cores (about six minutes).
+from .tier import TIER_SCENARIOS, TIER_WORKERS
+
+# The first test also runs the module's fixture: three scenarios on five paths each (one
+# shadowed as well), on three CPU engines sharing two cores (about seven minutes).
 pytestmark = pytest.mark.timeout(1500)
 
 # At most this share of a path's requests may be moved by load (failed open, retried, shed)
@@ -33,10 +37,10 @@ MOST_MOVED_BY_LOAD = 1 / 6
 @pytest.fixture(scope="module")
 def results(vllm_stack, options):
     stack, _ = vllm_stack
-    runs = {(s, p): run_path(stack, s, p, options) for s in SCENARIOS for p in paths_of(s)}
+    runs = {(s, p): run_path(stack, s, p, options) for s, p in run_order(options)}
     for (scenario, path), result in runs.items():
         print(
-            f"{scenario:14} {path:16} hit {result.hit_rate:.3f} "
+            f"{scenario:14} {path:22} hit {result.hit_rate:.3f} "
             f"share {result.min_share:.2f}-{result.max_share:.2f} affinity {result.affinity:.2f} "
             f"ejections {result.ejections} failed open {result.failed_open} "
             f"retried {result.retried} shed {result.shed}"
@@ -175,3 +179,20 @@ def test_killed_instance_is_ejected(vllm_stack, results):
         15,
         "the router to drop it",
     )
+
+
+@pytest.mark.parametrize("scenario", TIER_SCENARIOS)
+@pytest.mark.parametrize("workers", TIER_WORKERS)
+def test_router_workers_decide_as_one_process(results, scenario, workers):
+    """``router --workers N``, each worker fed every engine's KV events, gets one router
+    process's hit rate on the same requests (issue 26: within 2 points), with one
+    request's share allowed for each request moved by load in either run (see
+    workers_allowance). Two runs of the report gave +0.0 on every scenario and
+    worker count, but many-documents in one (+2.6: 4 requests of its one-process path
+    failed open, allowing 13.1)."""
+    path = workers_path(workers)
+    one, many = results[scenario, "PREFIX_AWARE"], results[scenario, path]
+    difference = workers_difference(list(results.values()), scenario, path)
+    allowance = workers_allowance(list(results.values()), scenario, path)
+    assert difference is not None and abs(difference) <= allowance, (difference, one, many)
+    assert many.ejections == 0, "a health-check ejection, not the routing, moved requests"

@@ -27,7 +27,7 @@ def run_real_vllm(args: argparse.Namespace) -> int:
         options = real_vllm.gpu_options(options)
     for result in real_vllm.run(options):
         print(
-            f"{result.scenario:14} {result.path:16} hit rate {result.hit_rate:.3f}  "
+            f"{result.scenario:14} {result.path:22} hit rate {result.hit_rate:.3f}  "
             f"share {result.min_share:.0%} to {result.max_share:.0%}"
         )
     return 0
