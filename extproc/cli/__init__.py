@@ -7,48 +7,43 @@ Each command is a module here that declares its own flags and handler (``registe
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
-from extproc.cli import (
-    bench,
-    config_reference,
-    config_schema,
-    control_plane,
-    envoy_config,
-    epp,
-    replay,
-    router,
-    sim,
-    up,
-)
-from extproc.cli.common import EXIT_USAGE, require_extra
+from extproc.cli.common import COMMAND_HELP, EXIT_USAGE, require_extra
 from extproc.errors import ConfigError, RouterError
 
 __all__ = ["EXIT_USAGE", "build_parser", "main", "parse_args"]
 
-# In the order ``prefix-router --help`` lists them.
-COMMANDS = (
-    up,
-    router,
-    epp,
-    sim,
-    bench,
-    replay,
-    control_plane,
-    envoy_config,
-    config_reference,
-    config_schema,
-)
+# Each command's module, in COMMAND_HELP's order (``prefix-router --help``).
+COMMAND_MODULES = {
+    "up": "extproc.cli.up",
+    "router": "extproc.cli.router",
+    "epp": "extproc.cli.epp",
+    "sim": "extproc.cli.sim",
+    "bench": "extproc.cli.bench",
+    "replay": "extproc.cli.replay",
+    "control-plane": "extproc.cli.control_plane",
+    "envoy-config": "extproc.cli.envoy_config",
+    "config-reference": "extproc.cli.config_reference",
+    "config-schema": "extproc.cli.config_schema",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every command with its flags; or, given ``command``, that one with its flags and
+    the others by name and help only, so a process imports the modules of its own command
+    alone (``prefix-router router`` loads nothing of the benchmark harness)."""
     parser = argparse.ArgumentParser(
         prog="prefix-router",
         description="Prefix-aware routing for vLLM fleets behind Envoy (ext_proc).",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    for command in COMMANDS:
-        command.register(commands)
+    for name, module in COMMAND_MODULES.items():
+        if command is None or name == command:
+            importlib.import_module(module).register(commands)
+        else:
+            commands.add_parser(name, help=COMMAND_HELP[name])
     return parser
 
 
@@ -56,7 +51,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse ``argv`` (default: the process's), accepting ``bench --workload NAME`` too;
     the namespace keeps the argv as given, for reports that quote their command."""
     given = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(bench.upgrade_argv(given))
+    command = given[0] if given and given[0] in COMMAND_MODULES else None
+    if command == "bench":
+        from extproc.cli.bench import upgrade_argv
+
+        args = build_parser(command).parse_args(upgrade_argv(given))
+    else:
+        args = build_parser(command).parse_args(given)
     args.argv = given
     return args
 

@@ -27,6 +27,25 @@ EXTRAS: dict[str, tuple[str, ...]] = {"bench": ("httpx", "matplotlib")}
 Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
+# Each command's one-line help, in the order ``prefix-router --help`` lists them: the
+# command's module registers it with this text, and a process that runs another command
+# lists it by this text without importing the module (``extproc/cli/__init__.py``).
+COMMAND_HELP: dict[str, str] = {
+    "up": "run Envoy, the router and a simulated vLLM fleet on loopback",
+    "router": "run the ext_proc router (gRPC)",
+    "epp": "run the router as a Gateway API Inference Extension endpoint picker",
+    "sim": "run simulated vLLM backends",
+    "bench": "run a benchmark and write its report (and its stored run, as JSON)",
+    "replay": "replay a traffic log through the router's decisions for a grid of settings, "
+    "and recommend one",
+    "control-plane": "run the xDS control plane (EDS of the healthy vLLM hosts, and the load feed)",
+    "envoy-config": "print an Envoy bootstrap",
+    "config-reference": "print the configuration reference (docs/configuration.md) from the "
+    "config schema",
+    "config-schema": "print the JSON Schema of the router's or the control plane's config file",
+}
+
+
 def choices(values: type[Enum] | Iterable[str]) -> list[str]:
     """The values of an enum (or of a tuple of literals), for ``choices=``."""
     return [str(getattr(value, "value", value)) for value in values]

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from extproc.cli.common import Commands
+from extproc.cli.common import COMMAND_HELP, Commands
 
 
 def register(commands: Commands) -> None:
     parser = commands.add_parser(
         "config-reference",
-        help="print the configuration reference (docs/configuration.md) from the config schema",
+        help=COMMAND_HELP["config-reference"],
     )
     parser.set_defaults(handler=run)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from extproc.cli.common import Commands
+from extproc.cli.common import COMMAND_HELP, Commands
 
 
 def register(commands: Commands) -> None:
@@ -13,7 +13,7 @@ def register(commands: Commands) -> None:
 
     parser = commands.add_parser(
         "config-schema",
-        help="print the JSON Schema of the router's or the control plane's config file",
+        help=COMMAND_HELP["config-schema"],
         description="The JSON Schema (draft 2020-12) of a config file, rendered from the "
         "same models that validate it; docs/schema/ holds the committed copies.",
     )

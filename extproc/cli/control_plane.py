@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from extproc import ports
-from extproc.cli.common import Commands, add_host_flag, host_address
+from extproc.cli.common import COMMAND_HELP, Commands, add_host_flag, host_address
 
 
 def register(commands: Commands) -> None:
     parser = commands.add_parser(
         "control-plane",
-        help="run the xDS control plane (EDS of the healthy vLLM hosts, and the load feed)",
+        help=COMMAND_HELP["control-plane"],
     )
     parser.add_argument("--config", type=Path, help="YAML config file; re-read when it changes")
     parser.add_argument(

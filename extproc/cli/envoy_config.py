@@ -6,7 +6,14 @@ import argparse
 import sys
 
 from extproc import ports
-from extproc.cli.common import Commands, choices, ip_port, router_endpoint, usage_error
+from extproc.cli.common import (
+    COMMAND_HELP,
+    Commands,
+    choices,
+    ip_port,
+    router_endpoint,
+    usage_error,
+)
 from extproc.stack.bootstrap import BODY_MODES, MODES, BootstrapParams, RouterEndpoint
 from extproc.stack.upstream_tls import UpstreamTls
 
@@ -21,7 +28,7 @@ DESCRIPTION = (
 def register(commands: Commands) -> None:
     parser = commands.add_parser(
         "envoy-config",
-        help="print an Envoy bootstrap",
+        help=COMMAND_HELP["envoy-config"],
         description=DESCRIPTION,
     )
     parser.add_argument(

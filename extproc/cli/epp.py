@@ -22,6 +22,7 @@ from typing import Any
 
 from extproc import ports
 from extproc.cli.common import (
+    COMMAND_HELP,
     Commands,
     add_host_flag,
     add_routing_flags,
@@ -68,7 +69,7 @@ def go_bool(text: str) -> bool:
 def register(commands: Commands) -> None:
     parser = commands.add_parser(
         "epp",
-        help="run the router as a Gateway API Inference Extension endpoint picker",
+        help=COMMAND_HELP["epp"],
         description="The ext_proc router as an endpoint picker (protocol 1.0.0): full-duplex "
         "streamed bodies, the subset hint, the served endpoint. Flags of the reference "
         "chart that have no meaning here are accepted and ignored.",

@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from extproc.cli.common import Commands, host_address, require_extra
+from extproc.cli.common import COMMAND_HELP, Commands, host_address, require_extra
 from extproc.replay.configs import STRATEGIES, Grid
 from extproc.replay.report import MAX_BUSIEST_RATIO
 
@@ -18,8 +18,7 @@ DEFAULT_GRID = Grid(strategies=STRATEGIES, instances=(1,), cache_tokens=(1,))
 def register(commands: Commands) -> None:
     parser = commands.add_parser(
         "replay",
-        help="replay a traffic log through the router's decisions for a grid of settings, "
-        "and recommend one",
+        help=COMMAND_HELP["replay"],
         description="Replay a traffic log (the router's traffic_log setting) through the "
         "router's own decision code and the simulator's model of vLLM's prefix cache, for "
         "every combination of the values given; print the predicted hit rate, each "

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from extproc import ports
 from extproc.cli.common import (
+    COMMAND_HELP,
     Commands,
     add_host_flag,
     add_routing_flags,
@@ -18,7 +19,7 @@ from extproc.cli.common import (
 
 
 def register(commands: Commands) -> None:
-    parser = commands.add_parser("router", help="run the ext_proc router (gRPC)")
+    parser = commands.add_parser("router", help=COMMAND_HELP["router"])
     parser.add_argument("--config", type=Path, help="YAML config file")
     parser.add_argument(
         "--listen",

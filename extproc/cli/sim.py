@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import get_args
 
-from extproc.cli.common import Commands, ip_port, usage_error
+from extproc.cli.common import COMMAND_HELP, Commands, ip_port, usage_error
 from extproc.sim.options import (
     DEFAULT_CAPACITY_BLOCKS,
     KV_EVENTS_PORT,
@@ -36,7 +36,7 @@ def _field(flag: str) -> str:
 
 
 def register(commands: Commands) -> None:
-    parser = commands.add_parser("sim", help="run simulated vLLM backends")
+    parser = commands.add_parser("sim", help=COMMAND_HELP["sim"])
     parser.add_argument(
         "--address",
         type=ip_port,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from extproc import ports
 from extproc.cli.common import (
+    COMMAND_HELP,
     Commands,
     add_routing_flags,
     backend_url,
@@ -49,7 +50,7 @@ def _address_flag(parser: argparse.ArgumentParser, flag: str, default: str, text
 def register(commands: Commands) -> None:
     parser = commands.add_parser(
         "up",
-        help="run Envoy, the router and a simulated vLLM fleet on loopback",
+        help=COMMAND_HELP["up"],
         description="Start, on loopback: simulated vLLM backends (or your --backend URLs), "
         "the router and Envoy, and print the URL. Ctrl-C stops everything.",
     )

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from extproc import ports
 from extproc.sim.engine import EngineConfig
 
 Timing = Literal["fixed", "model"]
@@ -14,9 +15,10 @@ VLLM_KEEPALIVE_S = 5.0
 # KV capacity when none is given: fixed timing keeps its historical size; the engine model
 # holds about 20 8k-token prompts (see engine.py).
 DEFAULT_CAPACITY_BLOCKS: dict[str, int] = {"fixed": 4096, "model": 10_000}
-# vLLM's KV-event ports as this project runs vLLM (FIELD-NOTES: tcp://*:5557, replay 5558).
-KV_EVENTS_PORT = 5557
-KV_EVENTS_REPLAY_PORT = 5558
+# vLLM's KV-event ports as this project runs vLLM (FIELD-NOTES: tcp://*:5557, replay 5558),
+# defined once with the stack's other defaults.
+KV_EVENTS_PORT = ports.KV_EVENTS
+KV_EVENTS_REPLAY_PORT = ports.KV_EVENTS_REPLAY
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from extproc.cli import EXIT_USAGE, main, parse_args
+from extproc.cli.common import COMMAND_HELP
 from extproc.cli.up import stack_spec
 from extproc.picker.decide import Strategy
 from extproc.picker.keys import KeyMode
@@ -311,3 +312,41 @@ def test_envoy_config_caps_the_routers_streams_only_where_asked(capsys):
     assert limits(capped, "vllm")["max_requests"] == BootstrapParams.max_concurrent
     assert main(["envoy-config", "--router-max-streams", "0"]) == EXIT_USAGE
     assert "--router-max-streams must be 1-1000000, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("command", "runtime"),
+    [
+        ("router", "extproc.adapter.service extproc.adapter.workers"),
+        ("epp", "extproc.adapter.service extproc.adapter.workers"),
+        ("control-plane", "extproc.control.service extproc.control.config"),
+    ],
+)
+def test_the_deployed_processes_load_nothing_of_the_harness(command, runtime):
+    # What the process imports: the CLI with its command's flags, then what its handler
+    # runs. The import contracts (pyproject.toml) keep the runtime packages off the
+    # harness; this keeps the CLI's command table from pulling it in.
+    harness = ("extproc.bench", "extproc.stack", "extproc.sim", "extproc.replay")
+    script = (
+        "import importlib, sys\n"
+        "from extproc.cli import parse_args\n"
+        f"parse_args([{command!r}])\n"
+        f"for module in {runtime.split()!r}: importlib.import_module(module)\n"
+        f"print(sorted(m for m in sys.modules if m.startswith({harness!r})))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_every_command_is_listed_whichever_runs(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["router", "--help"])
+    with pytest.raises(SystemExit):  # the router's own flags, parsed with the others unloaded
+        parse_args(["router", "--no-such-flag"])
+    assert "--no-such-flag" in capsys.readouterr().err
+    listed = run("--help").stdout
+    for command, help_text in COMMAND_HELP.items():
+        assert command in listed and help_text.split()[0] in listed

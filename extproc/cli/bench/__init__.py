@@ -13,7 +13,7 @@ from pathlib import Path
 
 from extproc.cli.bench import components, fleet, reliability, vllm
 from extproc.cli.bench.workload import COMMITTED, Workload, writes_committed_reports
-from extproc.cli.common import EXIT_USAGE, Commands
+from extproc.cli.common import COMMAND_HELP, EXIT_USAGE, Commands
 
 WORKLOADS: dict[str, Workload] = {
     workload.name: workload
@@ -30,7 +30,7 @@ LEGACY_FLAG = "--workload"
 def register(commands: Commands) -> None:
     parser = commands.add_parser(
         "bench",
-        help="run a benchmark and write its report (and its stored run, as JSON)",
+        help=COMMAND_HELP["bench"],
         description="Benchmarks run the alternatives side by side in one run and write a "
         "report. `prefix-router bench WORKLOAD --help` lists the flags WORKLOAD takes; the "
         "form `prefix-router bench --workload WORKLOAD [flags]` works too.",
