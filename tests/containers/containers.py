@@ -18,6 +18,7 @@ import httpx
 import yaml
 from testcontainers.core.container import DockerContainer
 
+from extproc.stack import prometheus
 from extproc.stack.bootstrap import BootstrapParams, render
 from extproc.stack.envoy_admin import envoy_hosts, healthy_hosts
 from extproc.stack.local import INSTANT_PREFILL, simulated_backends
@@ -71,14 +72,7 @@ def wait_for(check, what: str, timeout: float = READY_TIMEOUT_S) -> None:
 
 
 def metric(url: str, name: str) -> float | None:
-    try:
-        text = httpx.get(url, timeout=2).text
-    except httpx.HTTPError:
-        return None
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return None
+    return prometheus.scrape_metric(url, name)
 
 
 class ContainerStack:
@@ -244,12 +238,8 @@ class ContainerStack:
         with it overflow) then sees an idle fleet, so placements are the hash's own."""
 
         def running(host: str) -> float:
-            text = httpx.get(f"http://{host}/metrics", timeout=2).text
-            return sum(
-                float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines()
-                if line.startswith("vllm:num_requests_running")
-            )
+            samples = prometheus.scrape(f"http://{host}/metrics")
+            return prometheus.total(samples, "vllm:num_requests_running")
 
         wait_for(lambda: all(running(host) == 0 for host in self.fleet), "an idle fleet")
         time.sleep(1.0)  # the control plane scrapes every 0.25 s

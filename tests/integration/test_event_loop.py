@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from extproc.stack import prometheus
 from extproc.stack.local import LocalStack, StackSpec
 
 from ..prompts import document
@@ -30,10 +31,8 @@ def test_a_router_on_either_loop_routes_each_prefix_to_one_host(loop: str):
                 assert response.status_code == 200
                 served.setdefault(doc, set()).add(response.headers["x-upstream-host"])
         assert all(len(hosts) == 1 for hosts in served.values()), served
-        decided = sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in httpx.get(stack.router_metrics_url).text.splitlines()
-            if line.startswith("prefix_router_decisions_total{")
+        decided = prometheus.total(
+            prometheus.scrape(stack.router_metrics_url), "prefix_router_decisions_total"
         )
         assert decided == 12
         log = stack.router_log_path(0).read_text()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from extproc.stack import prometheus
 from extproc.stack.local import LocalStack, StackSpec, envoy_counters, scrape_metric
 from extproc.stack.processes import ManagedProcess, free_ports, tcp_open, wait_until
 from extproc.stack.upstream_tls import UpstreamTls
@@ -87,13 +87,7 @@ def stack(pki: Pki) -> Iterator[LocalStack]:
 
 def decisions(metrics_url: str) -> float:
     """The router's decisions so far, over all strategies and outcomes."""
-    with urllib.request.urlopen(metrics_url, timeout=2) as response:
-        text = response.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("prefix_router_decisions_total{")
-    )
+    return prometheus.total(prometheus.scrape(metrics_url), "prefix_router_decisions_total")
 
 
 def chat(text: str) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 
+from extproc.stack import prometheus
 from extproc.stack.local import LocalStack
 
 from ..waiting import wait_until
@@ -68,12 +69,10 @@ def test_router_down_then_back(stack: LocalStack, client):
 
 def idle(stack: LocalStack) -> bool:
     """Whether the router counts no request as load: none in flight, none unseen."""
-    samples = httpx.get(stack.router_metrics_url).text.splitlines()
-    return all(
-        float(line.rsplit(" ", 1)[1]) == 0
-        for line in samples
-        if line.startswith(("prefix_router_in_flight_requests{", "prefix_router_unseen_decisions "))
-    ) and any(line.startswith("prefix_router_unseen_decisions ") for line in samples)
+    samples = prometheus.scrape(stack.router_metrics_url)
+    in_flight = prometheus.by_host(samples, "prefix_router_in_flight_requests")
+    unseen = samples.get(("prefix_router_unseen_decisions", ()))
+    return unseen == 0 and all(value == 0 for value in in_flight.values())
 
 
 def decided(stack: LocalStack, response: httpx.Response) -> bool:
@@ -82,11 +81,8 @@ def decided(stack: LocalStack, response: httpx.Response) -> bool:
 
 
 def decisions_made(stack: LocalStack) -> float:
-    total = 0.0
-    for line in httpx.get(stack.router_metrics_url).text.splitlines():
-        if line.startswith("prefix_router_decisions_total{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    samples = prometheus.scrape(stack.router_metrics_url)
+    return prometheus.total(samples, "prefix_router_decisions_total")
 
 
 def router_state(stack: LocalStack) -> str:

@@ -7,6 +7,7 @@ import json
 
 import httpx
 
+from extproc.stack import prometheus
 from extproc.stack.local import LocalStack, envoy_counters
 
 from ..waiting import wait_until, wait_until_async
@@ -121,12 +122,8 @@ def test_streaming_responses_pass_through(stack: LocalStack, client):
 
 
 def in_flight(stack: LocalStack) -> dict[str, float]:
-    values = {}
-    for line in httpx.get(stack.router_metrics_url).text.splitlines():
-        if line.startswith("prefix_router_in_flight_requests{"):
-            host = line.split('host="', 1)[1].split('"', 1)[0]
-            values[host] = float(line.rsplit(" ", 1)[1])
-    return values
+    samples = prometheus.scrape(stack.router_metrics_url)
+    return prometheus.by_host(samples, "prefix_router_in_flight_requests")
 
 
 async def test_client_abort_releases_the_in_flight_slot(stack: LocalStack):

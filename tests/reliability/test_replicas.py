@@ -18,6 +18,7 @@ from extproc.adapter.messages import (
     ProcessingResponse,
 )
 from extproc.adapter.service import SERVICE_NAME
+from extproc.stack import prometheus
 from extproc.stack.local import LocalStack
 from extproc.stack.processes import wait_until
 
@@ -32,11 +33,8 @@ DOCS = range(30)
 
 
 def decisions(stack: LocalStack, replica: int) -> float:
-    total = 0.0
-    for line in httpx.get(stack.replica_metrics_url(replica)).text.splitlines():
-        if line.startswith("prefix_router_decisions_total{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    samples = prometheus.scrape(stack.replica_metrics_url(replica))
+    return prometheus.total(samples, "prefix_router_decisions_total")
 
 
 def ask_replica(stack: LocalStack, replica: int, body: bytes) -> list[str]:

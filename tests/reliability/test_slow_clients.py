@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from extproc.stack import prometheus
 from extproc.stack.local import LocalStack
 from extproc.stack.processes import wait_until
 
@@ -64,10 +65,9 @@ def settled(stack: LocalStack) -> None:
         REQUEST_TIMEOUT_S + 10,
         "the router's streams to close",
     )
-    metrics = httpx.get(stack.router_metrics_url).text
-    for line in metrics.splitlines():
-        if line.startswith("prefix_router_in_flight_requests{"):
-            assert float(line.rsplit(" ", 1)[1]) == 0, line
+    samples = prometheus.scrape(stack.router_metrics_url)
+    in_flight = prometheus.by_host(samples, "prefix_router_in_flight_requests")
+    assert not any(in_flight.values()), in_flight
 
 
 def test_bodies_far_above_the_buffer_limit(stack: LocalStack):
