@@ -242,6 +242,22 @@ def _real_vllm_rows(runs: Runs) -> Iterable[Row]:
             ratio >= 0.9 and min(shares) >= 0.2,
             ("real-vllm-cpu",),
         )
+    restart = run.get("restart")
+    if restart is not None:
+        from extproc.bench.real_vllm_restart import RestartResult
+
+        result = RestartResult(**restart)
+        yield Row(
+            f"real vLLM (CPU), one instance killed and restarted under {result.workers} "
+            "router workers: its entries out of every view; hit rate after vs before",
+            "measured; recovers",
+            f"{result.cleared_s:.1f} s; {result.hit_rate_after:.1%} vs "
+            f"{result.hit_rate_before:.1%} (back in every view {result.rejoined_s:.0f} s "
+            "after its start)",
+            "",
+            result.recovered,
+            ("real-vllm-cpu",),
+        )
     # Router workers against one router process (issue 26): every worker count run.
     results = [real_vllm.PathResult(**r) for r in run["results"]]
     for scenario, path in by:

@@ -99,6 +99,9 @@ class RealVllmOptions:
     many_documents_concurrency: int = 6
     # PREFIX_AWARE again as ``router --workers N``, for each N here.
     router_workers: tuple[int, ...] = (2, 4)
+    # After the scenarios, one instance killed and started again under this many router
+    # workers (real_vllm_restart.py); None: not run.
+    restart_workers: int | None = 2
     max_tokens: int = 4
     seed: int = 11
     device: str = "cpu"
@@ -240,7 +243,7 @@ def send(url: str, body: dict[str, Any]) -> tuple[str | None, float, str]:
         return response.headers.get("x-upstream-host"), ttft or float("nan"), "".join(reply)
 
 
-class _Recorder:
+class Recorder:
     def __init__(self, default_host: str | None) -> None:
         self._lock = threading.Lock()
         self._default_host = default_host
@@ -256,8 +259,8 @@ class _Recorder:
             self.ttfts.append(ttft)
 
 
-def _run_documents(
-    url: str, requests: list[tuple[str, dict[str, Any]]], concurrency: int, recorder: _Recorder
+def run_documents(
+    url: str, requests: list[tuple[str, dict[str, Any]]], concurrency: int, recorder: Recorder
 ) -> None:
     def one(pair: tuple[str, dict[str, Any]]) -> None:
         host, ttft, _ = send(url, pair[1])
@@ -267,7 +270,7 @@ def _run_documents(
         list(pool.map(one, requests))
 
 
-def _run_conversations(url: str, options: RealVllmOptions, recorder: _Recorder) -> None:
+def _run_conversations(url: str, options: RealVllmOptions, recorder: Recorder) -> None:
     rng = random.Random(f"{options.seed}:conversations")
     system = document_text(rng, options.system_chars)
     scripts = [
@@ -302,7 +305,7 @@ def _shed(stack: LocalStack) -> int:
     )
 
 
-def _reset_caches(addresses: list[str]) -> None:
+def reset_caches(addresses: list[str]) -> None:
     for address in addresses:
         httpx.post(f"http://{address}/reset_prefix_cache", timeout=30).raise_for_status()
 
@@ -335,8 +338,8 @@ def run_path(stack: LocalStack, scenario: str, path: str, options: RealVllmOptio
         # this path starts from an idle fleet, as it starts from cold caches.
         wait_for_idle_pressure(stack)
         url, involved, default_host = stack.url, addresses, None
-    _reset_caches(addresses)
-    recorder = _Recorder(default_host)
+    reset_caches(addresses)
+    recorder = Recorder(default_host)
     queries_before, hits_before = prefix_counters(involved)
     ejections_before = stack.control_plane_metric("prefix_router_cp_ejections_total") or 0.0
     envoy_before = _envoy_moves(stack) if path != SINGLE else (0, 0)
@@ -347,12 +350,12 @@ def run_path(stack: LocalStack, scenario: str, path: str, options: RealVllmOptio
         requests = document_requests(
             options, options.rag_documents, options.rag_document_chars, options.rag_questions, "rag"
         )
-        _run_documents(url, requests, options.rag_concurrency, recorder)
+        run_documents(url, requests, options.rag_concurrency, recorder)
     elif scenario == "documents":
         requests = document_requests(
             options, options.documents, options.document_chars, options.questions, "documents"
         )
-        _run_documents(url, requests, 1, recorder)
+        run_documents(url, requests, 1, recorder)
     elif scenario == "many-documents":
         requests = document_requests(
             options,
@@ -361,7 +364,7 @@ def run_path(stack: LocalStack, scenario: str, path: str, options: RealVllmOptio
             options.many_documents_questions,
             "many-documents",
         )
-        _run_documents(url, requests, options.many_documents_concurrency, recorder)
+        run_documents(url, requests, options.many_documents_concurrency, recorder)
     else:
         raise ValueError(f"unknown scenario {scenario!r}")
     seconds = time.monotonic() - started
@@ -468,14 +471,19 @@ def shadow_error(results: list[PathResult], scenario: str) -> float | None:
 
 
 def run(options: RealVllmOptions) -> list[PathResult]:
+    from extproc.bench.real_vllm_restart import run_restart
+
+    restart = None
     with (
         tempfile.TemporaryDirectory(prefix="real-vllm-") as tmp,
-        real_vllm_stack(options, Path(tmp)) as (stack, _),
+        real_vllm_stack(options, Path(tmp)) as (stack, servers),
     ):
         ran = {
             (scenario, path): run_path(stack, scenario, path, options)
             for scenario, path in run_order(options)
         }
+        if options.restart_workers is not None:
+            restart = asdict(run_restart(stack, servers, options, options.restart_workers))
     # The report's order: by scenario, each path as paths_of lists them.
     results = [
         ran[scenario, path]
@@ -483,11 +491,13 @@ def run(options: RealVllmOptions) -> list[PathResult]:
         for path in paths_of(scenario, options)
     ]
     if options.out_dir is not None:
-        write_report(options, results)
+        write_report(options, results, restart)
     return results
 
 
-def write_report(options: RealVllmOptions, results: list[PathResult]) -> Path:
+def write_report(
+    options: RealVllmOptions, results: list[PathResult], restart: dict[str, Any] | None = None
+) -> Path:
     """The run's data as JSON, and the markdown rendered from it."""
     assert options.out_dir is not None
     data = {
@@ -495,6 +505,7 @@ def write_report(options: RealVllmOptions, results: list[PathResult]) -> Path:
         "options": {k: v for k, v in asdict(options).items() if k != "out_dir"},
         "machine": report.machine_description(),
         "results": [asdict(r) for r in results],
+        "restart": restart,
     }
     return report.write_rendered(options.out_dir, options.report_name, data)
 
@@ -510,6 +521,40 @@ def _shadow_line(results: list[PathResult]) -> str:
                 "PREFIX_AWARE then got.\n"
             )
     return "".join(lines)
+
+
+def _restart_section(restart: dict[str, Any] | None) -> str:
+    if restart is None:
+        return ""
+    from extproc.bench.real_vllm_restart import RestartResult
+
+    result = RestartResult(**restart)
+    rows = [
+        [
+            "before (from empty caches)",
+            f"{result.hit_rate_before:.1%}",
+            ", ".join(f"{n}" for n in result.served_before.values()),
+        ],
+        [
+            "after the restart",
+            f"{result.hit_rate_after:.1%}",
+            ", ".join(f"{n}" for n in result.served_after.values()),
+        ],
+    ]
+    table = report.markdown_table(["documents pass", "hit rate", "requests per instance"], rows)
+    return f"""
+## One instance restarted under {result.workers} router workers
+
+After the scenarios: the documents scenario from reset caches, then `{result.victim}` (the
+instance holding the most; {", ".join(str(b) for b in result.blocks_before)} router blocks in
+each worker's view) killed and started again, then the same requests again. Every worker's
+view of it was empty **{result.cleared_s:.2f} s** after the kill; every worker followed every
+engine again **{result.rejoined_s:.2f} s** after its start (vLLM's own start on this CPU is
+most of that). The routing recovered (the second pass's hit rate at least the first's,
+the restarted instance serving again): **{"yes" if result.recovered else "no"}**.
+
+{table}
+"""
 
 
 def workers_difference(results: list[PathResult], scenario: str, path: str) -> float | None:
@@ -611,7 +656,7 @@ the requests placed without the routing's choice: failed open by Envoy, retried 
 host, or shed by a router running late (three CPU engines share two cores here).
 
 {table}
-{_shadow_line(results)}
+{_shadow_line(results)}{_restart_section(data.get("restart"))}
 On the CPU, latency reflects one machine running client, proxy and three engines; the hit
 rates and shares are the claim.
 

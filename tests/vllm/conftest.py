@@ -25,7 +25,12 @@ def vllm_interpreter() -> str:
 
 @pytest.fixture(scope="session")
 def options() -> RealVllmOptions:
-    return RealVllmOptions(out_dir=None, scenarios=TIER_SCENARIOS, router_workers=TIER_WORKERS)
+    return RealVllmOptions(
+        out_dir=None,
+        scenarios=TIER_SCENARIOS,
+        router_workers=TIER_WORKERS,
+        restart_workers=None,  # the report's (real_vllm_restart.py); not CI's
+    )
 
 
 @pytest.fixture(scope="session")

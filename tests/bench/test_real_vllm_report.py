@@ -1,0 +1,112 @@
+"""The real-vLLM report's arithmetic on made-up runs: worker paths, their bound against one
+router process, the run order, and the restart section (tests/vllm runs the real thing)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+
+from extproc.bench import headline, real_vllm
+from extproc.bench.real_vllm import (
+    SINGLE,
+    PathResult,
+    RealVllmOptions,
+    path_workers,
+    run_order,
+    workers_allowance,
+    workers_difference,
+    workers_path,
+)
+from extproc.bench.real_vllm_restart import RestartResult
+
+HOSTS = ("127.0.0.21:8200", "127.0.0.22:8200", "127.0.0.23:8200")
+
+
+def path(name: str, hit_rate: float, scenario: str = "rag", **moved: int) -> PathResult:
+    return PathResult(
+        scenario=scenario,
+        path=name,
+        requests=45,
+        hit_rate=hit_rate,
+        served=dict.fromkeys(HOSTS, 15),
+        hosts_per_group={"doc-0": [HOSTS[0]]},
+        ttft_ms=[100.0],
+        seconds=10.0,
+        **moved,
+    )
+
+
+def test_a_workers_path_names_its_worker_count():
+    for workers in (2, 4, 16):
+        assert path_workers(workers_path(workers)) == workers
+    assert path_workers("PREFIX_AWARE") == path_workers("RANDOM-shadowing") == 1
+
+
+def test_workers_are_held_to_two_points_plus_a_request_per_request_moved_by_load():
+    one = path("PREFIX_AWARE", 0.60)
+    results = [one, path(workers_path(2), 0.63), path(workers_path(4), 0.60, failed_open=1)]
+    assert workers_difference(results, "rag", workers_path(2)) == pytest.approx(3.0)
+    assert workers_difference(results, "rag", "PREFIX_AWARE") is None
+    assert workers_allowance(results, "rag", workers_path(2)) == 2.0
+    # One request failed open: one request's share (100 / 45 points) more.
+    assert workers_allowance(results, "rag", workers_path(4)) == pytest.approx(2 + 100 / 45)
+
+
+def test_routed_paths_run_first_and_the_single_instance_paths_last():
+    options = RealVllmOptions(scenarios=("documents", "rag"), router_workers=(2,))
+    order = run_order(options)
+    singles = [pair for pair in order if pair[1] == SINGLE]
+    assert order[-2:] == singles == [("documents", SINGLE), ("rag", SINGLE)]
+    assert ("documents", workers_path(2)) in order and ("rag", "RANDOM") in order
+    # Every path of every scenario, once.
+    assert (
+        len(order)
+        == len(set(order))
+        == sum(len(real_vllm.paths_of(s, options)) for s in options.scenarios)
+    )
+
+
+def restart(after: float, served_after: int) -> RestartResult:
+    return RestartResult(
+        workers=2,
+        victim=HOSTS[2],
+        blocks_before=[120, 120],
+        cleared_s=6.4,
+        rejoined_s=41.0,
+        hit_rate_before=0.81,
+        hit_rate_after=after,
+        served_before=dict.fromkeys(HOSTS, 12),
+        served_after={**dict.fromkeys(HOSTS, 12), HOSTS[2]: served_after},
+    )
+
+
+def test_the_routing_recovered_only_if_the_hit_rate_came_back_and_the_instance_serves():
+    assert restart(0.9, 12).recovered
+    assert not restart(0.7, 12).recovered
+    assert not restart(0.9, 0).recovered
+
+
+def test_the_report_and_the_headline_show_workers_and_the_restart():
+    results = [
+        path(SINGLE, 0.5),
+        path("RANDOM", 0.3),
+        path("PREFIX_AWARE", 0.60),
+        path(workers_path(2), 0.605),
+    ]
+    data = {
+        "kind": "real-vllm",
+        "options": asdict(RealVllmOptions(out_dir=None)),
+        "machine": "test",
+        "results": [asdict(r) for r in results],
+        "restart": asdict(restart(0.9, 12)),
+    }
+    text = real_vllm.render(data)
+    assert "| rag | PREFIX_AWARE, 2 workers | 45 | 60.5% | 121% | +0.5 | 0 |" in text
+    assert "One instance restarted under 2 router workers" in text
+    assert "**6.40 s** after the kill" in text and "**yes**" in text
+    rows = list(headline._real_vllm_rows({"real-vllm-cpu": data}))
+    (workers_row,) = [r for r in rows if "2 workers" in r.measure]
+    assert workers_row.met and "+0.5" in workers_row.ours
+    (restart_row,) = [r for r in rows if "restarted" in r.measure]
+    assert restart_row.met and restart_row.ours.startswith("6.4 s; 90.0% vs 81.0%")
