@@ -251,7 +251,8 @@ def _real_vllm_rows(runs: Runs) -> Iterable[Row]:
             f"real vLLM (CPU), one instance killed and restarted under {result.workers} "
             "router workers: its entries out of every view; hit rate after vs before",
             "measured; recovers",
-            f"{result.cleared_s:.1f} s; {result.hit_rate_after:.1%} vs "
+            f"{'not cleared' if result.cleared_s is None else f'{result.cleared_s:.1f} s'}; "
+            f"{result.hit_rate_after:.1%} vs "
             f"{result.hit_rate_before:.1%} (back in every view {result.rejoined_s:.0f} s "
             "after its start)",
             "",

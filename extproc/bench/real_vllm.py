@@ -523,6 +523,14 @@ def _shadow_line(results: list[PathResult]) -> str:
     return "".join(lines)
 
 
+def _seconds(value: float | None, after: str) -> str:
+    from extproc.bench.real_vllm_restart import CLEAR_TIMEOUT_S
+
+    if value is None:
+        return f"**not** within {CLEAR_TIMEOUT_S:g} s {after}"
+    return f"**{value:.2f} s** {after}"
+
+
 def _restart_section(restart: dict[str, Any] | None) -> str:
     if restart is None:
         return ""
@@ -548,7 +556,7 @@ def _restart_section(restart: dict[str, Any] | None) -> str:
 After the scenarios: the documents scenario from reset caches, then `{result.victim}` (the
 instance holding the most; {", ".join(str(b) for b in result.blocks_before)} router blocks in
 each worker's view) killed and started again, then the same requests again. Every worker's
-view of it was empty **{result.cleared_s:.2f} s** after the kill; every worker followed every
+view of it was empty {_seconds(result.cleared_s, "after the kill")}; every worker followed every
 engine again **{result.rejoined_s:.2f} s** after its start (vLLM's own start on this CPU is
 most of that). The routing recovered (the second pass's hit rate at least the first's,
 the restarted instance serving again): **{"yes" if result.recovered else "no"}**.

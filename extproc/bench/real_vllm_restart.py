@@ -36,7 +36,7 @@ from extproc.bench.real_vllm import (
 )
 from extproc.stack import prometheus
 from extproc.stack.local import LocalStack
-from extproc.stack.processes import ManagedProcess, http_ok, wait_until
+from extproc.stack.processes import ManagedProcess, StackError, http_ok, wait_until
 
 log = structlog.get_logger("bench")
 
@@ -51,8 +51,9 @@ class RestartResult:
     victim: str
     # The victim's blocks in each worker's view just before the kill.
     blocks_before: list[int]
-    # Kill to no worker's view holding a block of the victim.
-    cleared_s: float
+    # Kill to no worker's view holding a block of the victim; None: not within
+    # CLEAR_TIMEOUT_S.
+    cleared_s: float | None
     # The victim's start to every worker following every engine again.
     rejoined_s: float
     hit_rate_before: float
@@ -62,7 +63,11 @@ class RestartResult:
 
     @property
     def recovered(self) -> bool:
-        return self.hit_rate_after >= self.hit_rate_before and self.served_after[self.victim] > 0
+        return (
+            self.cleared_s is not None
+            and self.hit_rate_after >= self.hit_rate_before
+            and self.served_after[self.victim] > 0
+        )
 
 
 def _views(stack: LocalStack) -> list[prometheus.Samples]:
@@ -128,11 +133,15 @@ def run_restart(
     index = addresses.index(victim)
     blocks_before = _blocks_of(stack, victim)
     servers[index].kill()
-    cleared_s = _timed(
-        lambda: not any(_blocks_of(stack, victim)),
-        CLEAR_TIMEOUT_S,
-        f"every router worker to forget {victim}'s blocks",
-    )
+    try:
+        cleared_s: float | None = _timed(
+            lambda: not any(_blocks_of(stack, victim)),
+            CLEAR_TIMEOUT_S,
+            f"every router worker to forget {victim}'s blocks",
+        )
+    except StackError:
+        cleared_s = None  # a finding, reported as such; the run goes on
+
     servers[index].start()
     rejoined_s = _timed(
         lambda: http_ok(f"http://{victim}/health") and _every_worker_follows(stack, len(addresses)),
@@ -145,7 +154,7 @@ def run_restart(
         workers=workers,
         victim=victim,
         blocks_before=blocks_before,
-        cleared_s=round(cleared_s, 2),
+        cleared_s=None if cleared_s is None else round(cleared_s, 2),
         rejoined_s=round(rejoined_s, 2),
         hit_rate_before=hit_rate_before,
         hit_rate_after=hit_rate_after,

@@ -110,3 +110,10 @@ def test_the_report_and_the_headline_show_workers_and_the_restart():
     assert workers_row.met and "+0.5" in workers_row.ours
     (restart_row,) = [r for r in rows if "restarted" in r.measure]
     assert restart_row.met and restart_row.ours.startswith("6.4 s; 90.0% vs 81.0%")
+
+
+def test_views_that_never_cleared_are_reported_as_such():
+    never = RestartResult(**{**asdict(restart(0.9, 12)), "cleared_s": None})
+    assert not never.recovered
+    text = real_vllm._restart_section(asdict(never))
+    assert "**not** within 120 s after the kill" in text and "**no**" in text
