@@ -407,6 +407,22 @@ def _overhead_row(runs: Runs) -> Row | None:
     )
 
 
+def _overhead_floor_rows(runs: Runs) -> list[Row | None]:
+    """The router's cost against both ext_proc floors, where a run measured them."""
+    run = runs.get("overhead")
+    if run is None:
+        return []
+    from extproc.bench.overhead import floor_ratios, summarise
+
+    ratios = floor_ratios(summarise(run), run["options"]["concurrencies"])
+    if ratios is None:
+        return []
+    return [
+        Row(f"routing overhead: {measure}", target, ours, "", met, ("overhead",))
+        for measure, target, ours, met in ratios.targets()
+    ]
+
+
 def _soak_row(runs: Runs) -> Row | None:
     run = runs.get("reliability-soak")
     if run is None or "router" not in run.get("growth", {}):
@@ -613,6 +629,7 @@ def rows(runs: Runs) -> list[Row]:
     found.append(_sim_vs_vllm_row(runs))
     found.append(_fleet_events_row(runs))
     found.append(_overhead_row(runs))
+    found += _overhead_floor_rows(runs)
     found.append(_soak_row(runs))
     found.append(
         _concurrency_row(

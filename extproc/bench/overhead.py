@@ -9,6 +9,7 @@ round, and the report quotes the median of the rounds, because this machine is n
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shlex
 import sys
@@ -49,7 +50,16 @@ ROUTER_PATHS = (
 # A grpc.aio ext_proc server that answers every message with "go on" and decides nothing
 # (extproc/bench/noop_processor.py): the floor under any Python processor.
 FLOOR_PATH = "envoy+noop ext_proc"
-PATHS = ("direct", "envoy", FLOOR_PATH, *ROUTER_PATHS)
+# The same service as a static native binary (Go, grpc-go; ../shared/tools/native-noop/,
+# given with --native-noop): the floor under any processor, whatever its language.
+NATIVE_FLOOR_PATH = "envoy+native noop ext_proc"
+PATHS = ("direct", "envoy", NATIVE_FLOOR_PATH, FLOOR_PATH, *ROUTER_PATHS)
+# The router's cost against the floors (issue 27), measured in one run: p50 added at c=1
+# at most the Python noop's + this, and at most this many times the native noop's; at
+# c=16, at least this share of the native noop's throughput.
+TARGET_OVER_PYTHON_FLOOR_MS = 0.1
+TARGET_OVER_NATIVE_FLOOR = 1.8
+TARGET_NATIVE_THROUGHPUT = 0.75
 # Envoy's ext_proc counters read after the run, per path: the streams the processor served,
 # and those that failed or timed out (each failed open and was placed by Envoy alone).
 EXT_PROC_STATS = ("streams_started", "streams_failed", "message_timeouts", "failure_mode_allowed")
@@ -75,6 +85,8 @@ class OverheadOptions:
     body_bytes: int = 8192
     distinct_prompts: int = 16
     out_dir: Path = Path("docs/benchmarks")
+    # The native noop processor's binary; None: that path is not run.
+    native_noop: Path | None = None
 
 
 # What the OpenAI Python SDK sends with each request (besides Host and Content-Length), so
@@ -120,10 +132,10 @@ def measure(options: OverheadOptions) -> Measured:
         # Whatever fails, a start or the run, every process started is stopped, the last
         # started first, and then the stack.
         with LocalStack(spec) as stack, contextlib.ExitStack() as started:
-            urls, admins, noop = _start_paths(stack, work, started)
-            wait_until(
-                lambda: _ext_proc_host_healthy(admins[FLOOR_PATH]), 30, "the noop processor", noop
-            )
+            urls, admins, floors = _start_paths(stack, work, started, options.native_noop)
+            for path, floor in floors.items():
+                wait_until(functools.partial(_ext_proc_host_healthy, admins[path]), 30, path, floor)
+            paths = tuple(p for p in PATHS if p in urls)
             script = wrk.post_script(
                 work / "post.lua",
                 "/v1/chat/completions",
@@ -132,8 +144,8 @@ def measure(options: OverheadOptions) -> Measured:
             )
             for round_number in range(options.rounds):
                 # Rotate the order each round so no path always runs first.
-                turn = round_number % len(PATHS)
-                order = PATHS[turn:] + PATHS[:turn]
+                turn = round_number % len(paths)
+                order = paths[turn:] + paths[:turn]
                 for connections in options.concurrencies:
                     for path in order:
                         result = wrk.run(urls[path], script, connections, options.duration_s)
@@ -155,8 +167,8 @@ def measure(options: OverheadOptions) -> Measured:
 
 
 def _start_paths(
-    stack: LocalStack, work: Path, started: contextlib.ExitStack
-) -> tuple[dict[str, str], dict[str, str], ManagedProcess]:
+    stack: LocalStack, work: Path, started: contextlib.ExitStack, native_noop: Path | None = None
+) -> tuple[dict[str, str], dict[str, str], dict[str, ManagedProcess]]:
     """Start every path's processes beside ``stack``, each stopped when ``started`` closes;
     return each path's URL, each ext_proc path's Envoy admin URL, and the noop processor."""
 
@@ -223,6 +235,22 @@ def _start_paths(
         ).start()
     )  # fmt: skip
     noop_url, noop_admin = beside("envoy-noop", routers=(("127.0.0.1", noop_grpc),))
+    floors = {FLOOR_PATH: noop}
+    native: dict[str, str] = {}
+    if native_noop is not None:
+        # The native floor behind an eighth Envoy.
+        (native_grpc,) = free_ports(1)
+        floors[NATIVE_FLOOR_PATH] = held(
+            ManagedProcess(
+                "native-noop",
+                [str(native_noop), "--listen", f"127.0.0.1:{native_grpc}"],
+                work / "native-noop.log",
+            ).start()
+        )
+        native_url, native_admin = beside(
+            "envoy-native-noop", routers=(("127.0.0.1", native_grpc),)
+        )
+        native = {"url": native_url, "admin": native_admin}
     host, port = stack.spec.backends[0]
     urls = {
         "direct": f"http://{host}:{port}",
@@ -244,7 +272,9 @@ def _start_paths(
         "envoy+router unix": unix_admin,
         "envoy+router fewer headers": headers_admin,
     }
-    return urls, admins, noop
+    if native:
+        urls[NATIVE_FLOOR_PATH], admins[NATIVE_FLOOR_PATH] = native["url"], native["admin"]
+    return urls, admins, floors
 
 
 EXT_PROC_PREFIX = "http.ingress.ext_proc."
@@ -279,6 +309,7 @@ def document(options: OverheadOptions, measured: Measured) -> dict[str, Any]:
                 f"{options.duration_s:g}",
                 "--rounds",
                 str(options.rounds),
+                *(["--native-noop", str(options.native_noop)] if options.native_noop else []),
                 "--out",
                 str(options.out_dir),
             ]
@@ -451,6 +482,114 @@ def floor_sentence(
     )
 
 
+@dataclass(frozen=True)
+class FloorRatios:
+    """The router (``envoy+router``) against both floors, in one run: what each adds to
+    plain Envoy at p50 at the lowest concurrency (ms), and each one's throughput at the
+    highest."""
+
+    low: int
+    high: int
+    envoy_rps: float
+    added_p50: dict[str, float]
+    added_p99: dict[str, float]
+    rps: dict[str, float]
+
+    @property
+    def over_python_ms(self) -> float:
+        return self.added_p50["envoy+router"] - self.added_p50[FLOOR_PATH]
+
+    @property
+    def over_native(self) -> float:
+        native = self.added_p50[NATIVE_FLOOR_PATH]
+        return self.added_p50["envoy+router"] / native if native > 0 else float("nan")
+
+    @property
+    def native_throughput(self) -> float:
+        return self.rps["envoy+router"] / self.rps[NATIVE_FLOOR_PATH]
+
+    def targets(self) -> list[tuple[str, str, str, bool]]:
+        """(measure, target, ours, met) for each of the ratio targets."""
+        return [
+            (
+                f"p50 added at c={self.low}, over the Python noop's",
+                f"≤ +{TARGET_OVER_PYTHON_FLOOR_MS:g} ms",
+                f"{self.over_python_ms:+.2f} ms",
+                self.over_python_ms <= TARGET_OVER_PYTHON_FLOOR_MS,
+            ),
+            (
+                f"p50 added at c={self.low}, against the native noop's",
+                f"≤ {TARGET_OVER_NATIVE_FLOOR:g} times",
+                f"{self.over_native:.2f} times",
+                self.over_native <= TARGET_OVER_NATIVE_FLOOR,
+            ),
+            (
+                f"throughput at c={self.high}, against the native noop's",
+                f"≥ {TARGET_NATIVE_THROUGHPUT:g} times",
+                f"{self.native_throughput:.2f} times",
+                self.native_throughput >= TARGET_NATIVE_THROUGHPUT,
+            ),
+        ]
+
+
+def floor_ratios(
+    summary: dict[tuple[str, int], dict[str, float]], concurrencies: list[int]
+) -> FloorRatios | None:
+    """The router against both floors; None unless the run measured both at every load."""
+    low, high = min(concurrencies), max(concurrencies)
+    paths = (NATIVE_FLOOR_PATH, FLOOR_PATH, "envoy+router")
+    if not all((p, c) in summary for p in (*paths, "envoy") for c in (low, high)):
+        return None
+    envoy_low = summary[("envoy", low)]
+    return FloorRatios(
+        low=low,
+        high=high,
+        envoy_rps=summary[("envoy", high)]["rps"],
+        added_p50={p: summary[(p, low)]["p50"] - envoy_low["p50"] for p in paths},
+        added_p99={p: summary[(p, low)]["p99"] - envoy_low["p99"] for p in paths},
+        rps={p: summary[(p, high)]["rps"] for p in paths},
+    )
+
+
+def floors_section(
+    summary: dict[tuple[str, int], dict[str, float]], concurrencies: list[int]
+) -> str:
+    ratios = floor_ratios(summary, concurrencies)
+    if ratios is None:
+        return ""
+    rows = [["Envoy alone", "", "", f"{ratios.envoy_rps:,.0f}"]] + [
+        [
+            f"`{path}`",
+            f"{ratios.added_p50[path]:+.2f}",
+            f"{ratios.added_p99[path]:+.2f}",
+            f"{ratios.rps[path]:,.0f} ({ratios.rps[path] / ratios.envoy_rps:.2f})",
+        ]
+        for path in (NATIVE_FLOOR_PATH, FLOOR_PATH, "envoy+router")
+    ]
+    table = report.markdown_table(
+        ["path", f"p50 added at c={ratios.low} (ms)", f"p99 added at c={ratios.low} (ms)",
+         f"req/s at c={ratios.high} (of Envoy alone's)"],
+        rows,
+    )  # fmt: skip
+    targets = report.markdown_table(
+        ["the router's cost", "target", "measured", "met"],
+        [[m, t, o, "yes" if met else "**no**"] for m, t, o, met in ratios.targets()],
+    )
+    return f"""
+## Against the floors
+
+Two processors that decide nothing, behind the same Envoy config: `{NATIVE_FLOOR_PATH}`, a
+static native binary (Go, grpc-go), and `{FLOOR_PATH}`, the same service on grpc.aio. No
+ext_proc processor adds less than the native one here, whatever its language; the Python
+one is the floor under any processor on grpc.aio. The router's path is `envoy+router`, at
+its defaults.
+
+{table}
+
+{targets}
+"""
+
+
 def ext_proc_section(data: dict[str, Any]) -> str:
     """Envoy's own count of each ext_proc path's streams, and of those that failed open."""
     stats = data.get("ext_proc")
@@ -531,6 +670,7 @@ def render(data: dict[str, Any]) -> str:
                 f"{ratio:.2f} of plain Envoy's: it {met_rps} the target."
             )
     verdict += floor_sentence(summary, concurrencies)
+    floors = floors_section(summary, concurrencies)
     levers = lever_section(data, concurrencies)
     counted = ext_proc_section(data)
     sent = options.get("request_headers")
@@ -546,7 +686,8 @@ def render(data: dict[str, Any]) -> str:
 What the router adds to a request, measured as the same {options["body_bytes"]}-byte chat
 requests ({options["distinct_prompts"]} distinct prompts in rotation) sent several ways in one
 run: straight to a simulated backend (`direct`), through Envoy with no ext_proc (`envoy`),
-through Envoy with a processor that decides nothing (`{FLOOR_PATH}`, where measured),
+through Envoy with a processor that decides nothing (`{FLOOR_PATH}` on grpc.aio, and
+`{NATIVE_FLOOR_PATH}`, where measured),
 and through Envoy with the router deciding every request (PREFIX_AWARE, override-host
 mode): `envoy+router` sends the body BUFFERED_PARTIAL after the router has answered the
 headers (two round trips per request), and `envoy+router streamed`, where measured, sends
@@ -567,7 +708,7 @@ rotating order.
 SageMaker publishes {low} to {high} ms of routing overhead; our targets are at most
 {TARGET_P50_MS} ms added at p50 and {TARGET_P99_MS} ms at p99 at c=1, and at least
 {TARGET_THROUGHPUT_RATIO} of plain Envoy's throughput at c=16.{verdict}
-{levers}{counted}
+{floors}{levers}{counted}
 ## All paths
 
 {paths_table}

@@ -225,3 +225,30 @@ def test_envoys_ext_proc_counters_show_any_stream_that_failed_open():
     assert "2 streams failed open" in text
     clean = {"envoy+router": {**counts, "message_timeouts": 0.0, "failure_mode_allowed": 0.0}}
     assert "No stream failed open" in render(_run(paths, ext_proc=clean))
+
+
+def test_the_routers_cost_is_stated_against_both_floors_when_both_ran():
+    paths = (
+        ("envoy", 0.6, 4000),
+        ("envoy+native noop ext_proc", 1.2, 2000),  # +0.6 ms
+        ("envoy+noop ext_proc", 1.6, 1600),  # +1.0 ms
+        ("envoy+router", 2.0, 1300),  # +1.4 ms
+    )
+    data = _run(paths)
+    ratios = overhead.floor_ratios(overhead.summarise(data), [1, 16])
+    assert ratios is not None
+    assert ratios.over_python_ms == pytest.approx(0.4)
+    assert ratios.over_native == pytest.approx(1.4 / 0.6)
+    assert ratios.native_throughput == pytest.approx(0.65)
+    assert [met for *_, met in ratios.targets()] == [False, False, False]
+    text = render(data)
+    assert "## Against the floors" in text
+    assert "| `envoy+native noop ext_proc` | +0.60 | +0.60 | 2,000 (0.50) |" in text
+    assert "| p50 added at c=1, over the Python noop's | ≤ +0.1 ms | +0.40 ms | **no** |" in text
+    # A router within every target meets each.
+    within = _run((*paths[:3], ("envoy+router", 1.65, 1600)))
+    met = overhead.floor_ratios(overhead.summarise(within), [1, 16])
+    assert met is not None and all(m for *_, m in met.targets())
+    # Without the native floor there is no such section, and no ratio.
+    assert overhead.floor_ratios(overhead.summarise(_run((paths[0], *paths[2:]))), [1, 16]) is None
+    assert "## Against the floors" not in render(_run((paths[0], *paths[2:])))

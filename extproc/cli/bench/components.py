@@ -4,12 +4,27 @@
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 from dataclasses import replace
+from pathlib import Path
 
 from extproc.cli.bench.workload import Workload, command_line, duration, out, quick, rounds
 
 OVERHEAD_DURATION_S = 10.0
+
+
+def native_noop(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--native-noop",
+        type=Path,
+        default=os.environ.get("PREFIX_ROUTER_NATIVE_NOOP"),
+        metavar="BINARY",
+        help="a native ext_proc processor that decides nothing (../shared/tools/native-noop/"
+        "noop-extproc), run as one more floor beside the Python noop; the report then "
+        "states the router's cost against both (default: $PREFIX_ROUTER_NATIVE_NOOP; "
+        "unset: not run)",
+    )
 
 
 def run_overhead(args: argparse.Namespace) -> int:
@@ -20,6 +35,7 @@ def run_overhead(args: argparse.Namespace) -> int:
             duration_s=2.0 if args.quick else (args.duration or OVERHEAD_DURATION_S),
             rounds=1 if args.quick else args.rounds,
             out_dir=args.out,
+            native_noop=args.native_noop,
         )
     )
     return 0
@@ -82,7 +98,7 @@ WORKLOADS = (
     Workload(
         "overhead",
         "direct vs Envoy vs Envoy+router, at concurrency 1 and 16 (needs wrk)",
-        (rounds, duration(OVERHEAD_DURATION_S, "seconds per sample"), quick, out),
+        (rounds, duration(OVERHEAD_DURATION_S, "seconds per sample"), quick, native_noop, out),
         run_overhead,
     ),
     Workload(
