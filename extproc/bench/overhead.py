@@ -579,10 +579,9 @@ def floors_section(
 ## Against the floors
 
 Two processors that decide nothing, behind the same Envoy config: `{NATIVE_FLOOR_PATH}`, a
-static native binary (Go, grpc-go), and `{FLOOR_PATH}`, the same service on grpc.aio. No
-ext_proc processor adds less than the native one here, whatever its language; the Python
-one is the floor under any processor on grpc.aio. The router's path is `envoy+router`, at
-its defaults.
+static native binary (Go, grpc-go), and `{FLOOR_PATH}`, the same service on grpc.aio:
+what an ext_proc processor costs here before any code of its own runs, natively and on
+grpc.aio. The router's path is `envoy+router`, at its defaults.
 
 {table}
 

@@ -187,9 +187,11 @@ def test_router_workers_decide_as_one_process(results, scenario, workers):
     """``router --workers N``, each worker fed every engine's KV events, gets one router
     process's hit rate on the same requests (issue 26: within 2 points), with one
     request's share allowed for each request moved by load in either run (see
-    workers_allowance). Two runs of the report gave +0.0 on every scenario and
-    worker count, but many-documents in one (+2.6: 4 requests of its one-process path
-    failed open, allowing 13.1)."""
+    workers_allowance). Three runs of the report: documents and rag +0.0 at
+    2 and 4 workers every time; conversations +0.0, +0.0 and -0.9 (4 workers, one request
+    shed: 4.8 allowed). many-documents, not run here, gave +0.0, +2.6 (4 of the one
+    process's requests failed open) and, at 4 workers, -8.5 with nothing moved: six new
+    documents at once, placed apart by four workers (docs/benchmarks/real-vllm-cpu.md)."""
     path = workers_path(workers)
     one, many = results[scenario, "PREFIX_AWARE"], results[scenario, path]
     difference = workers_difference(list(results.values()), scenario, path)
