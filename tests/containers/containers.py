@@ -6,6 +6,7 @@ its bridge off. Configs are rendered to a directory mounted read-only.
 
 from __future__ import annotations
 
+import http.client
 import itertools
 import os
 import time
@@ -72,7 +73,20 @@ def wait_for(check, what: str, timeout: float = READY_TIMEOUT_S) -> None:
 
 
 def metric(url: str, name: str) -> float | None:
-    return prometheus.scrape_metric(url, name)
+    """One sample, ``name`` or ``name{label="value",...}``; None when the endpoint does not
+    answer or has no such sample."""
+    base, _, labels = name.partition("{")
+    wanted = tuple(
+        sorted(
+            (key, value.strip('"'))
+            for key, value in (pair.split("=", 1) for pair in labels.rstrip("}").split(",") if pair)
+        )
+    )
+    try:
+        samples = prometheus.scrape(url)
+    except (OSError, http.client.HTTPException):  # not up yet
+        return None
+    return samples.get((base, wanted))
 
 
 class ContainerStack:
