@@ -235,22 +235,6 @@ def _start_paths(
         ).start()
     )  # fmt: skip
     noop_url, noop_admin = beside("envoy-noop", routers=(("127.0.0.1", noop_grpc),))
-    floors = {FLOOR_PATH: noop}
-    native: dict[str, str] = {}
-    if native_noop is not None:
-        # The native floor behind an eighth Envoy.
-        (native_grpc,) = free_ports(1)
-        floors[NATIVE_FLOOR_PATH] = held(
-            ManagedProcess(
-                "native-noop",
-                [str(native_noop), "--listen", f"127.0.0.1:{native_grpc}"],
-                work / "native-noop.log",
-            ).start()
-        )
-        native_url, native_admin = beside(
-            "envoy-native-noop", routers=(("127.0.0.1", native_grpc),)
-        )
-        native = {"url": native_url, "admin": native_admin}
     host, port = stack.spec.backends[0]
     urls = {
         "direct": f"http://{host}:{port}",
@@ -272,8 +256,20 @@ def _start_paths(
         "envoy+router unix": unix_admin,
         "envoy+router fewer headers": headers_admin,
     }
-    if native:
-        urls[NATIVE_FLOOR_PATH], admins[NATIVE_FLOOR_PATH] = native["url"], native["admin"]
+    floors = {FLOOR_PATH: noop}
+    if native_noop is not None:
+        # The native floor behind an eighth Envoy.
+        (native_grpc,) = free_ports(1)
+        floors[NATIVE_FLOOR_PATH] = held(
+            ManagedProcess(
+                "native-noop",
+                [str(native_noop), "--listen", f"127.0.0.1:{native_grpc}"],
+                work / "native-noop.log",
+            ).start()
+        )
+        urls[NATIVE_FLOOR_PATH], admins[NATIVE_FLOOR_PATH] = beside(
+            "envoy-native-noop", routers=(("127.0.0.1", native_grpc),)
+        )
     return urls, admins, floors
 
 

@@ -72,21 +72,14 @@ def wait_for(check, what: str, timeout: float = READY_TIMEOUT_S) -> None:
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def metric(url: str, name: str) -> float | None:
-    """One sample, ``name`` or ``name{label="value",...}``; None when the endpoint does not
-    answer or has no such sample."""
-    base, _, labels = name.partition("{")
-    wanted = tuple(
-        sorted(
-            (key, value.strip('"'))
-            for key, value in (pair.split("=", 1) for pair in labels.rstrip("}").split(",") if pair)
-        )
-    )
+def metric(url: str, name: str, **labels: str) -> float | None:
+    """The sample ``name`` with exactly ``labels``; None when the endpoint does not answer
+    or has no such sample."""
     try:
         samples = prometheus.scrape(url)
     except (OSError, http.client.HTTPException):  # not up yet
         return None
-    return samples.get((base, wanted))
+    return samples.get((name, tuple(sorted(labels.items()))))
 
 
 class ContainerStack:

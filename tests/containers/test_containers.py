@@ -53,7 +53,7 @@ async def test_overflow_at_the_threshold(stack: ContainerStack):
     assert home not in hosts[THRESHOLD:]
     assert set(hosts) <= stack.fleet
     overflows = metric(
-        stack.router_metrics_url, 'prefix_router_overflows_total{strategy="PREFIX_AWARE"}'
+        stack.router_metrics_url, "prefix_router_overflows_total", strategy="PREFIX_AWARE"
     )
     assert overflows is not None and overflows >= 1
 
