@@ -261,6 +261,21 @@ def _real_vllm_rows(runs: Runs) -> Iterable[Row]:
         )
     # Router workers against one router process (issue 26): every worker count run.
     results = [real_vllm.PathResult(**r) for r in run["results"]]
+    # The peers on the same requests (issue 26): ours against the best of them.
+    for scenario in dict.fromkeys(r.scenario for r in results):
+        found = real_vllm.peer_difference(results, scenario)
+        if found is None:
+            continue
+        best, points = found
+        peer = by[scenario, best]
+        yield Row(
+            f"real vLLM (CPU), {scenario}: hit rate vs the peers (one router process)",
+            "≥ the best peer",
+            f"{by[scenario, OURS]['hit_rate']:.1%} ({points:+.1f})",
+            f"{peer['hit_rate']:.1%} ({best})",
+            points >= 0,
+            ("real-vllm-cpu",),
+        )
     for scenario, path in by:
         ours, many = by.get((scenario, OURS)), by[scenario, path]
         if ours is None or not path.startswith(OURS + ", "):

@@ -15,7 +15,8 @@ prefix index), so every path starts cold on the same requests:
 
 PREFIX_AWARE also runs as ``router --workers N`` (``PREFIX_AWARE, N workers``), every worker
 subscribed to every engine's KV events, against the one process of ``PREFIX_AWARE``: the
-workers must decide as one.
+workers must decide as one. The peer routers (smg's ``cache_aware``, vllm-router's
+``kv_aware``) run the same requests in front of the same engines (``real_vllm_peers.py``).
 
 The single-instance path sends the requests straight to one vLLM: its hit rate is what
 affinity can at best keep. The router runs at its default settings.
@@ -32,7 +33,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,13 @@ import structlog
 from extproc.bench import report
 from extproc.bench.counters import prefix_counters
 from extproc.bench.probes import wait_for_idle_pressure
+from extproc.bench.real_vllm_peers import (
+    ENGINE_BLOCK_TOKENS,
+    PEERS,
+    finished_requests,
+    peer_binary,
+    running_peer,
+)
 from extproc.stack.local import LocalStack, StackSpec, envoy_counters
 from extproc.stack.processes import ManagedProcess, free_port, port_is_free
 from extproc.stack.vllm import VllmOptions, make_model, start_vllm, vllm_python
@@ -57,6 +65,8 @@ WORKERS_SUFFIX = " workers"
 # its prediction is set against the scenario's PREFIX_AWARE path.
 SHADOW = "RANDOM-shadowing"
 SHADOW_SCENARIOS = ("documents",)
+# Where real_vllm_stack makes the model, under its work directory.
+MODEL_DIR = "model"
 
 
 # Three CPU engines share this machine's cores: one busy with a long prefill can starve the
@@ -102,6 +112,9 @@ class RealVllmOptions:
     # After the scenarios, one instance killed and started again under this many router
     # workers (real_vllm_restart.py); None: not run.
     restart_workers: int | None = 2
+    # The peer routers run on every scenario too (real_vllm_peers.py); one not installed
+    # is left out of the run.
+    peers: tuple[str, ...] = PEERS
     max_tokens: int = 4
     seed: int = 11
     device: str = "cpu"
@@ -322,28 +335,8 @@ def path_workers(path: str) -> int:
     return int(path.removesuffix(WORKERS_SUFFIX).rsplit(" ", 1)[1])
 
 
-def run_path(stack: LocalStack, scenario: str, path: str, options: RealVllmOptions) -> PathResult:
-    """One scenario on one path, from cold caches and an empty prefix index."""
-    addresses = stack.backend_addresses
-    if path == SINGLE:
-        url, involved, default_host = f"http://{addresses[0]}", addresses[:1], addresses[0]
-    else:
-        stack.use_router_workers(path_workers(path))
-        if path == SHADOW:
-            stack.write_router_config(routing_strategy="RANDOM", shadow=True)
-        else:
-            stack.write_router_config(routing_strategy=path.split(",")[0])
-        stack.restart_routers()
-        # The path before (one instance alone, say) pressed some caches more than others;
-        # this path starts from an idle fleet, as it starts from cold caches.
-        wait_for_idle_pressure(stack)
-        url, involved, default_host = stack.url, addresses, None
-    reset_caches(addresses)
-    recorder = Recorder(default_host)
-    queries_before, hits_before = prefix_counters(involved)
-    ejections_before = stack.control_plane_metric("prefix_router_cp_ejections_total") or 0.0
-    envoy_before = _envoy_moves(stack) if path != SINGLE else (0, 0)
-    started = time.monotonic()
+def _send_scenario(url: str, scenario: str, options: RealVllmOptions, recorder: Recorder) -> None:
+    """Every request of ``scenario`` to ``url``, as the scenario sends them."""
     if scenario == "conversations":
         _run_conversations(url, options, recorder)
     elif scenario == "rag":
@@ -367,21 +360,72 @@ def run_path(stack: LocalStack, scenario: str, path: str, options: RealVllmOptio
         run_documents(url, requests, options.many_documents_concurrency, recorder)
     else:
         raise ValueError(f"unknown scenario {scenario!r}")
-    seconds = time.monotonic() - started
+
+
+def run_path(
+    stack: LocalStack,
+    scenario: str,
+    path: str,
+    options: RealVllmOptions,
+    model_dir: Path | None = None,
+) -> PathResult:
+    """One scenario on one path, from cold caches and an empty prefix index (a peer is
+    started for the path: ``model_dir`` is the engines' model, which vllm-router's
+    kv_aware tokenizes with)."""
+    addresses = stack.backend_addresses
+    peer = path in PEERS
+    via_envoy = path != SINGLE and not peer
+    with ExitStack() as running:
+        if path == SINGLE:
+            url, involved, default_host = f"http://{addresses[0]}", addresses[:1], addresses[0]
+        elif peer:
+            if model_dir is None:
+                raise ValueError(f"{path} needs the engines' model directory")
+            wait_for_idle_pressure(stack)
+            url = running.enter_context(running_peer(path, addresses, model_dir, stack.work_dir))
+            involved, default_host = addresses, None
+        else:
+            stack.use_router_workers(path_workers(path))
+            if path == SHADOW:
+                stack.write_router_config(routing_strategy="RANDOM", shadow=True)
+            else:
+                stack.write_router_config(routing_strategy=path.split(",")[0])
+            stack.restart_routers()
+            # The path before (one instance alone, say) pressed some caches more than
+            # others; this path starts from an idle fleet, as it starts from cold caches.
+            wait_for_idle_pressure(stack)
+            url, involved, default_host = stack.url, addresses, None
+        reset_caches(addresses)
+        recorder = Recorder(default_host)
+        queries_before, hits_before = prefix_counters(involved)
+        finished_before = finished_requests(involved) if peer else {}
+        ejections_before = stack.control_plane_metric("prefix_router_cp_ejections_total") or 0.0
+        envoy_before = _envoy_moves(stack) if via_envoy else (0, 0)
+        started = time.monotonic()
+        _send_scenario(url, scenario, options, recorder)
+        seconds = time.monotonic() - started
     predicted = None
     if path == SHADOW:
         prompt = stack.router_metric("prefix_router_shadow_prompt_bytes_total") or 0.0
         matched = stack.router_metric("prefix_router_shadow_matched_bytes_total") or 0.0
         predicted = matched / prompt if prompt else 0.0
     queries, hits = prefix_counters(involved)
-    envoy_after = _envoy_moves(stack) if path != SINGLE else (0, 0)
+    envoy_after = _envoy_moves(stack) if via_envoy else (0, 0)
+    if peer:
+        # No header names a peer's choice: each engine's own count of finished requests.
+        finished = finished_requests(involved)
+        served = {a: round(finished[a] - finished_before[a]) for a in involved}
+        groups: dict[str, list[str]] = {}
+    else:
+        served = {a: recorder.served.get(a, 0) for a in involved}
+        groups = {g: sorted(h) for g, h in recorder.groups.items()}
     result = PathResult(
         scenario=scenario,
         path=path,
         requests=sum(recorder.served.values()),
         hit_rate=(hits - hits_before) / max(1.0, queries - queries_before),
-        served={a: recorder.served.get(a, 0) for a in involved},
-        hosts_per_group={g: sorted(h) for g, h in recorder.groups.items()},
+        served=served,
+        hosts_per_group=groups,
         ttft_ms=recorder.ttfts,
         seconds=seconds,
         ejections=int(
@@ -392,7 +436,7 @@ def run_path(stack: LocalStack, scenario: str, path: str, options: RealVllmOptio
         failed_open=envoy_after[0] - envoy_before[0],
         retried=envoy_after[1] - envoy_before[1],
         # The routers restarted for this path: their counts are this path's.
-        shed=_shed(stack) if path != SINGLE else 0,
+        shed=_shed(stack) if via_envoy else 0,
     )
     log.info("bench.real_vllm", scenario=scenario, path=path, hit_rate=round(result.hit_rate, 3))
     return result
@@ -404,7 +448,7 @@ def real_vllm_stack(
 ) -> Iterator[tuple[LocalStack, list[ManagedProcess]]]:
     """Real vLLM instances on 127.0.0.21+ behind the full stack; everything stops after."""
     python = vllm_python()
-    model = make_model(python, work / "model", options.model_shape)
+    model = make_model(python, work / MODEL_DIR, options.model_shape)
     hosts = [f"127.0.0.{21 + i}" for i in range(options.instances)]
     addresses = []
     for host in hosts:
@@ -441,12 +485,24 @@ def real_vllm_stack(
             server.stop(timeout=20)
 
 
-def paths_of(scenario: str, options: RealVllmOptions) -> tuple[str, ...]:
+def installed_peers(options: RealVllmOptions) -> tuple[str, ...]:
+    """The options' peers that are installed here."""
+    return tuple(peer for peer in options.peers if peer_binary(peer) is not None)
+
+
+def paths_of(
+    scenario: str, options: RealVllmOptions, peers: tuple[str, ...] | None = None
+) -> tuple[str, ...]:
+    """The paths ``scenario`` runs on: ours, then ``peers`` (all of the options' peers when
+    None), then shadow mode where the scenario is shadowed."""
     paths = (*PATHS, *(workers_path(n) for n in options.router_workers if n > 1))
+    paths += options.peers if peers is None else peers
     return (*paths, SHADOW) if scenario in SHADOW_SCENARIOS else paths
 
 
-def run_order(options: RealVllmOptions) -> list[tuple[str, str]]:
+def run_order(
+    options: RealVllmOptions, peers: tuple[str, ...] | None = None
+) -> list[tuple[str, str]]:
     """(scenario, path) in the order they run: every routed path first, then every
     scenario straight to one instance. That path's traffic on one host is the cache
     pressure a routed path after it must wait to die away (about 40 s each: the rates
@@ -454,7 +510,7 @@ def run_order(options: RealVllmOptions) -> list[tuple[str, str]]:
     routed = [
         (scenario, path)
         for scenario in options.scenarios
-        for path in paths_of(scenario, options)
+        for path in paths_of(scenario, options, peers)
         if path != SINGLE
     ]
     return routed + [(scenario, SINGLE) for scenario in options.scenarios]
@@ -474,13 +530,16 @@ def run(options: RealVllmOptions) -> list[PathResult]:
     from extproc.bench.real_vllm_restart import run_restart
 
     restart = None
+    peers = installed_peers(options)
+    for missing in sorted(set(options.peers) - set(peers)):
+        log.warning("real_vllm.peer_not_installed", peer=missing)
     with (
         tempfile.TemporaryDirectory(prefix="real-vllm-") as tmp,
         real_vllm_stack(options, Path(tmp)) as (stack, servers),
     ):
         ran = {
-            (scenario, path): run_path(stack, scenario, path, options)
-            for scenario, path in run_order(options)
+            (scenario, path): run_path(stack, scenario, path, options, Path(tmp) / MODEL_DIR)
+            for scenario, path in run_order(options, peers)
         }
         if options.restart_workers is not None:
             restart = asdict(run_restart(stack, servers, options, options.restart_workers))
@@ -488,7 +547,7 @@ def run(options: RealVllmOptions) -> list[PathResult]:
     results = [
         ran[scenario, path]
         for scenario in options.scenarios
-        for path in paths_of(scenario, options)
+        for path in paths_of(scenario, options, peers)
     ]
     if options.out_dir is not None:
         write_report(options, results, restart)
@@ -592,6 +651,59 @@ def workers_allowance(results: list[PathResult], scenario: str, path: str) -> fl
     return WORKERS_POINTS + 100 * (one.moved_by_load + many.moved_by_load) / one.requests
 
 
+def peer_difference(results: list[PathResult], scenario: str) -> tuple[str, float] | None:
+    """The best peer on ``scenario`` and the points of hit rate one router process got
+    above (+) or below (-) it; None where no peer ran."""
+    by_path = {r.path: r for r in results if r.scenario == scenario}
+    peers = [by_path[p] for p in PEERS if p in by_path]
+    ours = by_path.get("PREFIX_AWARE")
+    if not peers or ours is None:
+        return None
+    best = max(peers, key=lambda r: r.hit_rate)
+    return best.path, 100 * (ours.hit_rate - best.hit_rate)
+
+
+def _peers_note(results: list[PathResult]) -> str:
+    if not any(r.path in PEERS for r in results):
+        return ""
+    return f"""The peers run the same requests in front of the same engines, without Envoy
+(each is a proxy, not an ext_proc processor), started afresh for each scenario: smg's
+`cache_aware` and vllm-router's `kv_aware`, which indexes every engine's KV events as our
+routers do (their publishers relayed to loopback TCP ports, and the model's own tokenizer
+and {ENGINE_BLOCK_TOKENS}-token blocks given to it). No header names a peer's choice, so
+its shares are the engines' own finished-request counts and its groups' placement is not
+known.
+
+"""
+
+
+def _peers_section(results: list[PathResult]) -> str:
+    rows = []
+    for scenario in dict.fromkeys(r.scenario for r in results):
+        found = peer_difference(results, scenario)
+        if found is None:
+            continue
+        by_path = {r.path: r for r in results if r.scenario == scenario}
+        workers = [by_path[p] for p in by_path if path_workers(p) > 1]
+        rows.append(
+            [
+                scenario,
+                f"{by_path['PREFIX_AWARE'].hit_rate:.1%}",
+                ", ".join(f"{r.hit_rate:.1%}" for r in workers),
+                *(f"{by_path[p].hit_rate:.1%}" if p in by_path else "" for p in PEERS),
+                f"{found[1]:+.1f} ({found[0]})",
+            ]
+        )
+    if not rows:
+        return ""
+    table = report.markdown_table(
+        ["scenario", "PREFIX_AWARE", "with router workers", *PEERS,
+         "one router process vs the best peer (points)"],
+        rows,
+    )  # fmt: skip
+    return f"\n## Against the peers\n\n{table}\n"
+
+
 def render(data: dict[str, Any]) -> str:
     options = data["options"]
     results = [PathResult(**r) for r in data["results"]]
@@ -612,7 +724,7 @@ def render(data: dict[str, Any]) -> str:
                 "" if difference is None else f"{difference:+.1f}",
                 result.moved_by_load,
                 f"{result.min_share:.0%} to {result.max_share:.0%}",
-                f"{result.affinity:.0%}",
+                f"{result.affinity:.0%}" if result.hosts_per_group else "not known",
                 f"{statistics.median(ttft):.0f}" if ttft else "",
                 f"{result.requests / result.seconds:.2f}",
                 result.ejections,
@@ -663,8 +775,8 @@ one request's share for each request moved by load in either run. "Moved by load
 the requests placed without the routing's choice: failed open by Envoy, retried to another
 host, or shed by a router running late (three CPU engines share two cores here).
 
-{table}
-{_shadow_line(results)}{_restart_section(data.get("restart"))}
+{_peers_note(results)}{table}
+{_peers_section(results)}{_shadow_line(results)}{_restart_section(data.get("restart"))}
 On the CPU, latency reflects one machine running client, proxy and three engines; the hit
 rates and shares are the claim.
 

@@ -3,7 +3,7 @@ router process, the run order, and the restart section (tests/vllm runs the real
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 
@@ -18,6 +18,7 @@ from extproc.bench.real_vllm import (
     workers_difference,
     workers_path,
 )
+from extproc.bench.real_vllm_peers import SMG_CACHE_AWARE, VLLM_ROUTER_KV_AWARE
 from extproc.bench.real_vllm_restart import RestartResult
 
 HOSTS = ("127.0.0.21:8200", "127.0.0.22:8200", "127.0.0.23:8200")
@@ -110,6 +111,44 @@ def test_the_report_and_the_headline_show_workers_and_the_restart():
     assert workers_row.met and "+0.5" in workers_row.ours
     (restart_row,) = [r for r in rows if "restarted" in r.measure]
     assert restart_row.met and restart_row.ours.startswith("6.4 s; 90.0% vs 81.0%")
+
+
+def test_the_peers_are_set_against_one_router_process():
+    results = [
+        path(SINGLE, 0.5),
+        path("PREFIX_AWARE", 0.60),
+        path(workers_path(2), 0.60),
+        path(SMG_CACHE_AWARE, 0.55),
+        replace(path(VLLM_ROUTER_KV_AWARE, 0.62), hosts_per_group={}),
+        path("PREFIX_AWARE", 0.70, scenario="documents"),
+        path(SINGLE, 0.7, scenario="documents"),
+    ]
+    assert real_vllm.peer_difference(results, "rag") == (VLLM_ROUTER_KV_AWARE, pytest.approx(-2.0))
+    assert real_vllm.peer_difference(results, "documents") is None
+    data = {
+        "kind": "real-vllm",
+        "options": asdict(RealVllmOptions(out_dir=None)),
+        "machine": "test",
+        "results": [asdict(r) for r in results],
+        "restart": None,
+    }
+    text = real_vllm.render(data)
+    assert "| rag | 60.0% | 60.0% | 55.0% | 62.0% | -2.0 (vllm-router kv_aware) |" in text
+    # A peer's groups are not known (no header names its choice), and the table says so.
+    (kv_row,) = [
+        ln for ln in text.splitlines() if ln.startswith(f"| rag | {VLLM_ROUTER_KV_AWARE} |")
+    ]
+    assert "not known" in kv_row
+    (row,) = [r for r in headline._real_vllm_rows({"real-vllm-cpu": data}) if "peers" in r.measure]
+    assert not row.met and row.peer == "62.0% (vllm-router kv_aware)" and "-2.0" in row.ours
+
+
+def test_peers_run_on_every_scenario_before_the_single_instance_paths():
+    options = RealVllmOptions(scenarios=("documents", "rag"), router_workers=(2,))
+    order = run_order(options, (SMG_CACHE_AWARE,))
+    assert ("rag", SMG_CACHE_AWARE) in order and ("documents", SMG_CACHE_AWARE) in order
+    assert ("rag", VLLM_ROUTER_KV_AWARE) not in order  # not installed, say
+    assert order.index(("rag", SMG_CACHE_AWARE)) < order.index(("documents", SINGLE))
 
 
 def test_views_that_never_cleared_are_reported_as_such():

@@ -30,6 +30,7 @@ def options() -> RealVllmOptions:
         scenarios=TIER_SCENARIOS,
         router_workers=TIER_WORKERS,
         restart_workers=None,  # the report's (real_vllm_restart.py); not CI's
+        peers=(),  # the report's (real_vllm_peers.py); not CI's
     )
 
 
