@@ -6,6 +6,7 @@ import json
 import random
 
 import pytest
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
@@ -18,11 +19,18 @@ from extproc.adapter.messages import (
     ProcessingRequest,
     ProcessingResponse,
 )
-from extproc.adapter.phases import BODY_LIMIT_BYTES, HOLD_TIMEOUT_S, Phase, RequestStream
+from extproc.adapter.phases import (
+    BODY_LIMIT_BYTES,
+    DUPLEX_HOLD_S,
+    HOLD_TIMEOUT_S,
+    BodyMode,
+    Phase,
+    RequestStream,
+)
 from extproc.adapter.routing import Router
 from extproc.config import RouterConfig
 from extproc.errors import StreamAborted
-from extproc.picker.decide import Outcome
+from extproc.picker.decide import Decision, Outcome
 from extproc.picker.hosts import Host, HostSet
 
 from ..extproc_messages import request_body, request_headers
@@ -336,7 +344,7 @@ def test_a_shed_stream_is_decided_on_its_headers_by_load_and_ends_there(streamed
     primary = target_header(answer, "request_headers")
     assert primary == HOSTS[2]
     assert metadata_targets(answer)[0] == primary
-    assert stream.ended and stream.phase is Phase.DECIDED
+    assert stream.ended and stream.phase is Phase.ENDED
     assert stream.decision is not None and stream.decision.outcome is Outcome.SHED
     assert shed_count() == before + 1
     # A body Envoy had already sent is passed through, not decided again.
@@ -438,3 +446,240 @@ def test_a_streamed_body_is_refused_once_more_than_the_limit_has_arrived():
         assert response.HasField("override_message_timeout")
     (response,) = stream.on_message(request_body(b"a", end_of_stream=False))
     assert_refused_413(response, stream)
+
+
+# ---------------------------------------------------------------- the phase machine
+
+# request_headers' keywords for the protocol_config of each body mode.
+ANNOUNCED = {
+    BodyMode.BUFFERED: {},
+    BodyMode.STREAMED: {"streamed": True},
+    BodyMode.DUPLEX: {"duplex": True},
+}
+
+
+def headers_in(mode: BodyMode, headers: dict[str, str] | None = None, **more) -> ProcessingRequest:
+    return request_headers(headers or {":method": "POST"}, **ANNOUNCED[mode], **more)
+
+
+def count_finishes(router: Router, monkeypatch: pytest.MonkeyPatch) -> list[Decision]:
+    """The decisions ``close`` hands to ``Router.finish``, which releases them."""
+    finished: list[Decision] = []
+    finish = router.finish
+
+    def counted(decision: Decision) -> None:
+        finished.append(decision)
+        finish(decision)
+
+    monkeypatch.setattr(router, "finish", counted)
+    return finished
+
+
+@pytest.mark.parametrize(
+    ("mode", "end_at_decision", "after_headers", "after_chunk", "after_end"),
+    [
+        # The first body message decides; a later one is passed through.
+        (BodyMode.BUFFERED, False, Phase.AWAITING_BODY, Phase.DECIDED, Phase.DECIDED),
+        (BodyMode.BUFFERED, True, Phase.AWAITING_BODY, Phase.ENDED, Phase.ENDED),
+        # The body's end decides, and Envoy would close the stream after it anyway.
+        (BodyMode.STREAMED, False, Phase.HOLDING_HEADERS, Phase.HOLDING_HEADERS, Phase.ENDED),
+        (BodyMode.STREAMED, True, Phase.HOLDING_HEADERS, Phase.HOLDING_HEADERS, Phase.ENDED),
+        # Decided, never ended by stream_end: every later chunk must still be echoed.
+        (BodyMode.DUPLEX, False, Phase.HOLDING_HEADERS, Phase.HOLDING_HEADERS, Phase.DECIDED),
+        (BodyMode.DUPLEX, True, Phase.HOLDING_HEADERS, Phase.HOLDING_HEADERS, Phase.DECIDED),
+    ],
+)
+def test_each_body_mode_moves_through_its_phases(
+    mode, end_at_decision, after_headers, after_chunk, after_end
+):
+    stream = RequestStream(make_router(), end_at_decision)
+    assert stream.body_mode is BodyMode.BUFFERED  # until the headers say otherwise
+    stream.on_message(headers_in(mode))
+    assert stream.body_mode is mode
+    assert stream.phase is after_headers and not stream.settled
+    stream.on_message(request_body(chat_body("hello " * 40), end_of_stream=False))
+    assert stream.phase is after_chunk
+    stream.on_message(request_body(b" and the end", end_of_stream=True))
+    assert stream.phase is after_end
+    assert stream.ended is (after_end is Phase.ENDED)
+    assert stream.settled and stream.decision is not None
+    stream.close()
+    assert stream.phase is Phase.CLOSED and not stream.ended and stream.settled
+
+
+def test_streamed_that_waits_for_the_headers_answer_is_buffered():
+    """Without send_body_without_waiting_for_header_response, Envoy sends no body before
+    the headers are answered: nothing to hold them for."""
+    request = request_headers({":method": "POST"})
+    request.protocol_config.request_body_mode = ProcessingMode.STREAMED
+    stream = RequestStream(make_router())
+    assert kinds_of(stream.on_message(request)) == ["request_headers"]
+    assert stream.body_mode is BodyMode.BUFFERED and stream.phase is Phase.AWAITING_BODY
+
+
+@pytest.mark.parametrize(
+    ("mode", "end_at_decision", "phase"),
+    [
+        (BodyMode.BUFFERED, False, Phase.DECIDED),
+        (BodyMode.BUFFERED, True, Phase.ENDED),
+        # No body to end the stream: it lives on unless stream_end says otherwise.
+        (BodyMode.STREAMED, False, Phase.DECIDED),
+        (BodyMode.STREAMED, True, Phase.ENDED),
+        (BodyMode.DUPLEX, False, Phase.DECIDED),
+        (BodyMode.DUPLEX, True, Phase.DECIDED),  # the response still streams through
+    ],
+)
+def test_a_bodyless_request_is_decided_on_its_headers_in_every_mode(mode, end_at_decision, phase):
+    stream = RequestStream(make_router(), end_at_decision)
+    (answer,) = stream.on_message(headers_in(mode, {":method": "GET"}, end_of_stream=True))
+    assert target_header(answer, "request_headers") in HOSTS
+    assert stream.phase is phase and stream.decision is not None
+
+
+def duplex_trailers() -> ProcessingRequest:
+    request = ProcessingRequest()
+    request.request_trailers.SetInParent()
+    return request
+
+
+@pytest.mark.parametrize("cause", ["end", "limit", "trailers", "deadline"])
+def test_a_held_duplex_decision_leaves_the_stream_decided_whatever_stream_end_says(cause):
+    clock = [100.0]
+    stream = RequestStream(make_router(), end_at_decision=True, clock=lambda: clock[0])
+    stream.on_message(headers_in(BodyMode.DUPLEX))
+    if cause == "end":
+        stream.on_message(request_body(chat_body("hi"), end_of_stream=True))
+    elif cause == "limit":
+        stream.on_message(request_body(b"a" * BODY_LIMIT_BYTES, end_of_stream=False))
+    elif cause == "trailers":
+        stream.on_message(request_body(chat_body("hi"), end_of_stream=False))
+        stream.on_message(duplex_trailers())
+    else:
+        stream.on_message(request_body(chat_body("hi"), end_of_stream=False))
+        clock[0] += DUPLEX_HOLD_S
+        stream.on_deadline()
+    assert stream.phase is Phase.DECIDED and not stream.ended
+    assert stream.decide_by is None
+    # Later chunks are echoed, and the stream stays where it is.
+    assert kinds_of(stream.on_message(request_body(b"more", end_of_stream=True))) == [
+        "request_body"
+    ]
+    assert stream.phase is Phase.DECIDED
+
+
+def over_the_limit_at_the_headers(mode: BodyMode) -> list[ProcessingRequest]:
+    return [headers_in(mode, {":method": "POST", "content-length": str(MAX_BODY + 1)})]
+
+
+# Each refusal: the router's epp setting, whether the stream sheds, and its messages.
+REFUSALS = {
+    **{
+        f"413 at the {mode.value} headers": (False, False, over_the_limit_at_the_headers(mode))
+        for mode in BodyMode
+    },
+    "413 on a buffered body": (
+        False,
+        False,
+        [headers_in(BodyMode.BUFFERED), request_body(b"a" * (MAX_BODY + 1))],
+    ),
+    "413 on a streamed body": (
+        False,
+        False,
+        [
+            headers_in(BodyMode.STREAMED),
+            request_body(b"a" * MAX_BODY, end_of_stream=False),
+            request_body(b"a", end_of_stream=False),
+        ],
+    ),
+    **{
+        f"503 for an ineligible {mode.value} subset": (
+            True,
+            False,
+            [headers_in(mode, hint=["127.0.0.99:8000"])],
+        )
+        for mode in BodyMode
+    },
+    "429 from a shedding picker": (True, True, [headers_in(BodyMode.DUPLEX)]),
+}
+
+
+@pytest.mark.parametrize("end_at_decision", [False, True])
+@pytest.mark.parametrize("refusal", list(REFUSALS))
+def test_a_refused_stream_is_ended_with_nothing_to_release(refusal, end_at_decision, monkeypatch):
+    epp, shed, requests = REFUSALS[refusal]
+    router = make_router(max_body_bytes=MAX_BODY, epp=epp)
+    finished = count_finishes(router, monkeypatch)
+    stream = RequestStream(router, end_at_decision, shed=shed)
+    *before, last = requests
+    for request in before:
+        stream.on_message(request)
+        assert not stream.settled
+    (response,) = stream.on_message(last)
+    assert response.WhichOneof("response") == "immediate_response"
+    assert stream.phase is Phase.ENDED and stream.ended and stream.settled
+    assert stream.decision is None
+    stream.close()
+    assert finished == [] and router.in_flight.total() == 0
+
+
+@pytest.mark.parametrize("mode", [BodyMode.BUFFERED, BodyMode.STREAMED])
+def test_a_shed_decision_ends_the_stream(mode):
+    stream = RequestStream(make_router(), shed=True)
+    stream.on_message(headers_in(mode))
+    assert stream.phase is Phase.ENDED
+    assert stream.decision is not None and stream.decision.outcome is Outcome.SHED
+
+
+ENDED_WITH_A_DECISION = {
+    "streamed": ({}, [headers_in(BodyMode.STREAMED), request_body(chat_body("hi"))]),
+    "stream_end: decision": (
+        {"end_at_decision": True},
+        [headers_in(BodyMode.BUFFERED), request_body(chat_body("hi"))],
+    ),
+    "shed": ({"shed": True}, [headers_in(BodyMode.BUFFERED)]),
+}
+
+
+@pytest.mark.parametrize("how", list(ENDED_WITH_A_DECISION))
+def test_close_after_an_ended_decision_finishes_nothing(how, monkeypatch):
+    """The decision was handed off when the stream ended: with the access log connected it
+    stays in flight until Envoy logs the request, whatever close does."""
+    arguments, requests = ENDED_WITH_A_DECISION[how]
+    router = make_router()
+    router.completions.streams = 1
+    finished = count_finishes(router, monkeypatch)
+    stream = RequestStream(router, **arguments)
+    for request in requests:
+        stream.on_message(request)
+    assert stream.phase is Phase.ENDED and stream.decision is not None
+    held = router.in_flight.snapshot()
+    assert held == {stream.decision.primary: 1}
+    stream.close()
+    stream.close()
+    assert finished == [] and router.in_flight.snapshot() == held
+    assert stream.phase is Phase.CLOSED
+
+
+@pytest.mark.parametrize("mode", list(BodyMode))
+def test_close_after_a_decided_stream_finishes_its_decision_once(mode, monkeypatch):
+    router = make_router()
+    finished = count_finishes(router, monkeypatch)
+    # stream_end: decision leaves DUPLEX decided, so it must be released here too.
+    stream = RequestStream(router, end_at_decision=mode is BodyMode.DUPLEX)
+    stream.on_message(headers_in(mode, {":method": "GET"}, end_of_stream=True))
+    assert stream.phase is Phase.DECIDED and stream.decision is not None
+    assert router.in_flight.snapshot() == {stream.decision.primary: 1}
+    stream.close()
+    assert finished == [stream.decision] and router.in_flight.total() == 0
+    stream.close()  # idempotent: released exactly once
+    assert finished == [stream.decision] and stream.phase is Phase.CLOSED
+
+
+def test_close_before_any_decision_finishes_nothing(monkeypatch):
+    router = make_router()
+    finished = count_finishes(router, monkeypatch)
+    stream = RequestStream(router)
+    stream.on_message(headers_in(BodyMode.STREAMED))
+    stream.close()
+    stream.close()
+    assert finished == [] and stream.phase is Phase.CLOSED and stream.settled
