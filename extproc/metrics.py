@@ -99,7 +99,7 @@ class ShadowAndLive(Collector):
             "Each host's vllm:prefix_cache_hits_total (prompt tokens), from the load feed",
             labels=["host"],
         )
-        for host, load in list(router.feed.items()):
+        for host, load in list(router.ledger.feed.items()):
             queries.add_metric([host], load.prefix_cache_queries)
             hits.add_metric([host], load.prefix_cache_hits)
         yield queries

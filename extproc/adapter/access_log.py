@@ -45,7 +45,7 @@ class AccessLogSink:
         requests: AsyncIterator[StreamAccessLogsMessage],
         context: grpc.aio.ServicerContext[StreamAccessLogsMessage, StreamAccessLogsResponse],
     ) -> StreamAccessLogsResponse:
-        completions = self._router.completions
+        completions = self._router.ledger.completions
         completions.streams += 1
         reader = asyncio.ensure_future(self._read(requests))
         stopping = asyncio.ensure_future(self._stop.wait())
@@ -62,10 +62,10 @@ class AccessLogSink:
         return StreamAccessLogsResponse()
 
     async def _read(self, requests: AsyncIterator[StreamAccessLogsMessage]) -> None:
-        router = self._router
+        ledger = self._router.ledger
         async for message in requests:
             for ticket in tickets_of(message):
-                completed = bool(ticket) and router.complete(ticket)
+                completed = bool(ticket) and ledger.complete(ticket)
                 metrics.COMPLETIONS.labels("completed" if completed else "foreign").inc()
 
     def handler(self) -> grpc.GenericRpcHandler:

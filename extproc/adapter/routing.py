@@ -1,7 +1,8 @@
 """The router's state and its one operation: route a request.
 
-This joins the pure picker to the live state (config, host set, load feed, in-flight
-counts) and records metrics. It knows nothing of gRPC or of Envoy's messages.
+This joins the routing strategies (``strategies.py``, chosen per config) to the live
+state (config, host set, the prefix index, the load ledger in ``ledger.py``) and records
+metrics. It knows nothing of gRPC or of Envoy's messages.
 """
 
 from __future__ import annotations
@@ -12,41 +13,34 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import structlog
 
 from extproc import metrics
-from extproc.adapter.completions import Completions
-from extproc.adapter.inflight import InFlight
 from extproc.adapter.kv_events import KvEventsFeed
+from extproc.adapter.ledger import LoadLedger
 from extproc.adapter.shadow_worker import ShadowWorker
+from extproc.adapter.strategies import StrategyTable, strategy_table
 from extproc.adapter.traffic_log import TrafficLog
-from extproc.adapter.unseen import UnseenDecisions
-from extproc.config import PrefixMatch, RouterConfig
+from extproc.config import RouterConfig
 from extproc.control.model import HostLoad
 from extproc.errors import NoHostsError
-from extproc.index.placer import place_longest
 from extproc.index.popularity import PrefixPopularity
 from extproc.index.prefill import PendingPrefill
 from extproc.index.prefix import IndexSizing, PrefixIndex
 from extproc.index.shadow import Shadow
 from extproc.picker.affinity import LoadPolicy
-from extproc.picker.blocks import PrefixLookup, PromptBlocks, chain_seed, prompt_blocks
-from extproc.picker.decide import OVERFLOWED, Decision, Outcome, Strategy, decide
+from extproc.picker.blocks import PromptBlocks, chain_seed, prompt_blocks
+from extproc.picker.decide import OVERFLOWED, Decision, Outcome, Strategy
 from extproc.picker.hosts import HostSet
 from extproc.picker.keys import RoutingKey, extract_key
 from extproc.picker.placement import key_digest
+from extproc.picker.strategy import NO_WEIGHTS, DecisionInput, RoutingStrategy
+
+# What ``place`` returns, named here too: the ext_proc phases import it from the router.
+from extproc.picker.strategy import Placement as Placement
 
 log = structlog.get_logger("router")
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """A decision and the index lookup it was made on (None outside PREFIX_AWARE's index)."""
-
-    decision: Decision
-    lookup: PrefixLookup | None
 
 
 def key_chain(key: RoutingKey, block_bytes: int) -> PromptBlocks:
@@ -71,10 +65,6 @@ class DeferredChain:
         return self._blocks
 
 
-# A handed-off request whose completion Envoy never logged stops counting after this.
-COMPLETION_MAX_AGE_S = 900.0
-
-
 class Router:
     def __init__(
         self,
@@ -87,20 +77,20 @@ class Router:
         self._config = config
         # Where each request's record goes (``traffic_log.py``); None: nowhere.
         self.traffic_log = traffic_log
-        self._policy = load_policy(config)
         self.hosts = HostSet.of(config.hosts)
-        self.in_flight = InFlight()
-        # Decisions whose streams ended with them (STREAMED bodies, stream_end: decision),
-        # until the load feed shows them.
-        self.unseen = UnseenDecisions(config.load_feed_max_age_s)
-        # The same, counted exactly while Envoy's access log reports completions.
-        self.completions = Completions(COMPLETION_MAX_AGE_S)
+        # Every host's load: in-flight counts, decisions handed off, the load feed.
+        self.ledger = LoadLedger(config.load_feed_max_age_s, config.control_plane is not None)
         self.index = PrefixIndex(index_sizing(config), clock)
         # The engines' KV events, where hosts publish them (set by the server at start).
         self.kv_events: KvEventsFeed | None = None
         self._evicted_counted = dict(self.index.evicted)
         self.popularity = PrefixPopularity()
         self.prefill = pending_prefill(config)
+        self._strategies = strategy_table(
+            config, load_policy(config), self.index, self.popularity, self.prefill
+        )
+        # The config's strategy, looked up once per config rather than per request.
+        self._strategy = _chosen(self._strategies, config)
         # Shadow mode (``index/shadow.py``): where PREFIX_AWARE would have sent each request,
         # placed in its own thread. A request is known to it by a number from ``_tokens``,
         # kept here beside its decision until it ends, and found by the decision's id():
@@ -114,8 +104,6 @@ class Router:
         self._rng = rng or random.Random()
         self._clock = clock
         self._wall_clock = wall_clock
-        self._feed: Mapping[str, HostLoad] = {}
-        self._feed_received_at: float | None = None
         # Set once there is a host set to place over: at start with static hosts, or on
         # the first update from the control plane.
         self.ready = asyncio.Event()
@@ -123,8 +111,8 @@ class Router:
             self.ready.set()
         metrics.HOSTS.set(len(self.hosts))
         metrics.FEED_AGE.set_function(self.feed_age)
-        metrics.UNSEEN_DECISIONS.set_function(self.unseen.total)
-        metrics.ACCESS_LOG_STREAMS.set_function(lambda: self.completions.streams)
+        metrics.UNSEEN_DECISIONS.set_function(self.ledger.unseen.total)
+        metrics.ACCESS_LOG_STREAMS.set_function(lambda: self.ledger.completions.streams)
         metrics.INDEX_BLOCKS.set_function(lambda: len(self.index))
         metrics.POPULARITY_KEYS.set_function(lambda: len(self.popularity))
         metrics.INDEX_CAPACITY.set_function(
@@ -138,10 +126,11 @@ class Router:
 
     @config.setter
     def config(self, config: RouterConfig) -> None:
-        """A new config (hot reload): the index starts afresh if what it holds changed."""
+        """A new config (hot reload): the index starts afresh if what it holds changed, and
+        the strategies are built anew from its settings."""
         policy = load_policy(config)  # before anything changes: a failure leaves the old
-        old, self._config, self._policy = self._config, config, policy
-        self.unseen.max_age_s = config.load_feed_max_age_s
+        old, self._config = self._config, config
+        self.ledger.configure(config.load_feed_max_age_s, config.control_plane is not None)
         if _index_settings(old) != _index_settings(config):
             self.index.clear()
             self.popularity.clear()
@@ -157,12 +146,19 @@ class Router:
             self.shadow = new_shadow(config)
             self.shadow.retain(self.hosts.addresses)
             self.shadow.set_cache_sizes(
-                {a: load.cache_capacity_tokens for a, load in self._feed.items()}
+                {a: load.cache_capacity_tokens for a, load in self.ledger.feed.items()}
             )
             log.info("shadow_started")
+        self._strategies = strategy_table(config, policy, self.index, self.popularity, self.prefill)
+        self._strategy = _chosen(self._strategies, config)
         self.index.sizing = index_sizing(config)
         self.index.resize()
         self._count_evictions()
+
+    @property
+    def strategy(self) -> RoutingStrategy:
+        """The strategy the config routes by."""
+        return self._strategy
 
     def _drop_shadow(self) -> None:
         if self.shadow is not None:
@@ -198,7 +194,8 @@ class Router:
         self.ready.set()
 
     def set_feed(self, loads: Mapping[str, HostLoad]) -> None:
-        previous = self._feed
+        """A new load feed: the ledger's loads, and each host's cache, by its counters."""
+        previous = self.ledger.feed
         for address, load in loads.items():
             before = previous.get(address)
             # Counters that went backwards: the engine restarted, its cache is empty.
@@ -212,55 +209,11 @@ class Router:
         if self.shadow is not None:
             self.shadow.set_cache_sizes(sizes)
         self._count_evictions()
-        self._feed = loads
-        now = self._feed_received_at = self._clock()
-        # Each host's scrape start, in this process's clock: the feed stamps wall time.
-        wall_now = self._wall_clock()
-        for address, load in loads.items():
-            self.unseen.scraped(address, now - max(0.0, wall_now - load.scraped_at))
-
-    @property
-    def feed(self) -> Mapping[str, HostLoad]:
-        """The last load feed: each host's load and vLLM counters."""
-        return self._feed
+        self.ledger.set_feed(loads, self._clock(), self._wall_clock())
 
     def feed_age(self) -> float:
-        if self._feed_received_at is None:
-            return float("inf")
-        return self._clock() - self._feed_received_at
-
-    def _loads(self, strategy: Strategy) -> Mapping[str, int | float]:
-        """Local in-flight counts, raised to the fleet-wide figure while the feed is fresh.
-
-        The feed counts every router's requests but is up to one scrape old; the local
-        count is exact for this router's own. The larger of the two is the safer bound.
-        Decisions whose streams closed at once count on top of the feed until it shows
-        them; without a fresh feed they count on top of the local figure.
-        """
-        local = self.in_flight.snapshot()
-        if strategy is Strategy.RANDOM:
-            return local
-        unseen = self.unseen.counts(self._clock())
-        fresh = self.config.control_plane is not None
-        if fresh and self.feed_age() > self.config.load_feed_max_age_s:
-            metrics.FEED_STALE.inc()
-            fresh = False
-        if not fresh:
-            if not unseen:
-                return local
-            return {
-                address: local.get(address, 0) + unseen.get(address, 0)
-                for address in local.keys() | unseen.keys()
-            }
-        feed = self._feed
-        return {
-            host.address: max(
-                local.get(host.address, 0),
-                (feed[host.address].outstanding if host.address in feed else 0)
-                + unseen.get(host.address, 0),
-            )
-            for host in self.hosts.hosts
-        }
+        """Seconds since the last load feed (a gauge reads it); infinite before the first."""
+        return self.ledger.feed_age(self._clock())
 
     def route(self, headers: Mapping[str, str], body: bytes) -> Decision:
         """Decide where one request goes and count it in flight on its primary host.
@@ -281,20 +234,19 @@ class Router:
         candidates = self.hosts if within is None else within
         if not candidates.hosts:
             raise NoHostsError("no host to choose from")
-        lookup: PrefixLookup | None = None
         config = self.config
-        longest = (
-            config.routing_strategy is Strategy.PREFIX_AWARE
-            and config.prefix_match is PrefixMatch.LONGEST
-        )
+        strategy = self._strategy
+        by_chain = strategy.by_chain
         shadow = self.shadow
-        # The prompt's block chain: PREFIX_AWARE matches on it, and the traffic log and the
-        # shadow read it under any strategy. Then the prompt is read as deep as matching
-        # goes, once, and the key says where its first prefix_length characters (the
-        # fixed-length key) end.
-        chained = longest or self.traffic_log is not None or shadow is not None
+        traffic_log = self.traffic_log
+        observed = traffic_log is not None or shadow is not None
+        # The prompt's block chain: a strategy by the chain matches on it, and the traffic
+        # log and the shadow read it under any strategy. Then the prompt is read as deep as
+        # matching goes, once, and the key says where its first prefix_length characters
+        # (the fixed-length key) end.
+        chained = by_chain or observed
         limit = config.match_depth_chars if chained else config.prefix_length
-        fixed_length = config.prefix_length if chained and not longest else None
+        fixed_length = config.prefix_length if chained and not by_chain else None
         key = extract_key(
             body, headers, config.key_mode, limit, config.trusted_salt_header, fixed_length
         )
@@ -302,53 +254,53 @@ class Router:
         if key.salt_rejected:
             metrics.SALT_REJECTED.labels(key.salt_rejected.split(" ")[0]).inc()
             log.warning("salt_rejected", source=key.salt_rejected)
-        # The chain: PREFIX_AWARE matches on it here; where only the traffic log or the
+        # A strategy by the chain places by it here; where only the traffic log or the
         # shadow reads it, their own threads hash it (once, for both), off the request path.
+        # Otherwise the fixed-length key's digest: PREFIX_AWARE-fixed places by it, and the
+        # traffic log keeps it so that a replay places as the router did.
         blocks: PromptBlocks | None = None
-        chain: PromptBlocks | DeferredChain | None = None
-        if longest:
-            blocks = chain = key_chain(key, config.block_bytes)
-        elif chained:
-            chain = DeferredChain(key, config.block_bytes)
-        # The fixed-length key's digest: PREFIX_AWARE-fixed places by it, and the traffic log
-        # keeps it so that a replay places as the router did.
-        digest = None
-        if not longest:
-            digest = key_digest(key.key[: key.fixed_bytes], key.salt)  # None: the whole key
-        if self.traffic_log is not None:
-            assert chain is not None
-            fixed = None if digest is None else (digest, config.prefix_length)
-            self.traffic_log.write(chain, key.model, key.salt, fixed)
-        if longest:
-            assert blocks is not None
-            decision, lookup = self._decide_longest(key, blocks, candidates)
+        digest = 0
+        if by_chain:
+            blocks = key_chain(key, config.block_bytes)
         else:
-            assert digest is not None
-            decision = decide(
+            digest = key_digest(key.key[: key.fixed_bytes], key.salt)  # None: the whole key
+        chain: PromptBlocks | DeferredChain | None = None
+        if observed:
+            chain = blocks if blocks is not None else DeferredChain(key, config.block_bytes)
+        if traffic_log is not None and chain is not None:
+            fixed = None if by_chain else (digest, config.prefix_length)
+            traffic_log.write(chain, key.model, key.salt, fixed)
+        now = self._clock()
+        hosts = candidates.serving(key.model)
+        # The weights: read by a strategy by the chain, and by the shadow.
+        reads_weights = by_chain or shadow is not None
+        weights = self.ledger.placement_weights(hosts, now) if reads_weights else NO_WEIGHTS
+        placement = strategy(
+            DecisionInput(
+                hosts,
+                self.ledger.loads(strategy.strategy, self.hosts, now),
+                weights,
+                # Drawn only for the strategies that read it: a seeded router draws alike.
+                0.0 if by_chain else self._rng.random(),
+                now,
                 digest,
-                candidates.serving(key.model),
-                self._loads(config.routing_strategy),
-                config.routing_strategy,
-                config.concurrency_threshold,
-                config.failover_hosts,
-                self._rng.random(),
-                config.balance_factor,
-                config.balance_min_in_flight,
+                blocks,
             )
-        self.in_flight.acquire(decision.primary)
+        )
+        decision = placement.decision
+        if placement.lookup is not None:
+            self._count_evictions()
+        self.ledger.acquire(decision.primary)
         self.routed[decision.primary] += 1
         metrics.DECISIONS.labels(decision.strategy.value, decision.outcome.value).inc()
         if decision.outcome in OVERFLOWED:
             metrics.OVERFLOWS.labels(decision.strategy.value).inc()
         metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
-        if shadow is not None:
-            assert chain is not None
-            hosts = candidates.serving(key.model)
-            weights = self.placement_weights(hosts)
+        if shadow is not None and chain is not None:
             token = next(self._tokens)
             self._shadowed[id(decision)] = (decision, token)
-            shadow.place(token, chain, hosts, weights, self._clock())
-        return Placement(decision, lookup)
+            shadow.place(token, chain, hosts, weights, now)
+        return placement
 
     def served(self, placement: Placement, endpoint: str) -> Decision:
         """The gateway reports that ``endpoint`` served the request (a retry or its
@@ -357,8 +309,8 @@ class Router:
         decision = placement.decision
         if endpoint == decision.primary:
             return decision
-        self.in_flight.release(decision.primary)
-        self.in_flight.acquire(endpoint)
+        self.ledger.release(decision.primary)
+        self.ledger.acquire(endpoint)
         self.routed[decision.primary] -= 1
         self.routed[endpoint] += 1
         moved = Decision((endpoint,), decision.outcome, decision.strategy)
@@ -380,73 +332,24 @@ class Router:
         hosts = self.hosts
         if len({host.models for host in hosts.hosts}) > 1:
             return None
-        config = self.config
-        least = decide(
-            0,
+        least = self._strategies[Strategy.LEAST_OUTSTANDING_REQUESTS, self.config.prefix_match]
+        now = self._clock()
+        request = DecisionInput(
             hosts,
-            self._loads(Strategy.LEAST_OUTSTANDING_REQUESTS),
-            Strategy.LEAST_OUTSTANDING_REQUESTS,
-            config.concurrency_threshold,
-            config.failover_hosts,
+            self.ledger.loads(least.strategy, hosts, now),
+            NO_WEIGHTS,
             self._rng.random(),
+            now,
         )
-        decision = Decision(least.targets, Outcome.SHED, least.strategy)
-        self.in_flight.acquire(decision.primary)
+        targets = least(request).decision.targets
+        decision = Decision(targets, Outcome.SHED, least.strategy)
+        self.ledger.acquire(decision.primary)
         metrics.DECISIONS.labels(decision.strategy.value, decision.outcome.value).inc()
         metrics.SHED.inc()
         return decision
 
-    def _decide_longest(
-        self, key: RoutingKey, blocks: PromptBlocks, candidates: HostSet
-    ) -> tuple[Decision, PrefixLookup]:
-        """PREFIX_AWARE over the prefix index: look up, decide (pure), then record."""
-        config = self.config
-        hosts = candidates.serving(key.model)
-        weights = self.placement_weights(hosts)
-        placed = place_longest(
-            blocks,
-            hosts,
-            self._loads(Strategy.PREFIX_AWARE),
-            weights,
-            self._policy,
-            config.hot_prefix_factor,
-            config.failover_hosts,
-            self.index,
-            self.popularity,
-            self.prefill,
-            self._clock(),
-        )
-        decision, lookup = placed.decision, placed.lookup
-        log.debug(
-            "prefix_decision",
-            primary=decision.primary,
-            outcome=decision.outcome.value,
-            blocks=blocks.depth,
-            matched=lookup.matched,
-            popular=placed.heat.depth,
-            replicas=placed.heat.replicas,
-            weights=weights,
-        )
-        self._count_evictions()
-        if blocks.length:
-            metrics.PREFIX_MATCHED.observe(placed.matched_bytes / blocks.length)
-            metrics.PROMPT_BYTES.inc(blocks.length)
-            metrics.MATCHED_BYTES.inc(placed.matched_bytes)
-        return decision, lookup
-
-    def placement_weights(self, hosts: HostSet) -> Mapping[str, float]:
-        """The control plane's placement weights (cache pressure) from a fresh load feed;
-        all equal without one. A host missing from the last round weighs 1."""
-        feed = self._feed
-        if not feed or self.feed_age() > self.config.load_feed_max_age_s:
-            return {}
-        return {
-            h.address: feed[h.address].placement_weight if h.address in feed else 1.0
-            for h in hosts.hosts
-        }
-
     def finish(self, decision: Decision) -> None:
-        self.in_flight.release(decision.primary)
+        self.ledger.release(decision.primary)
         self._end_shadow(decision)
 
     def _end_shadow(self, decision: Decision) -> None:
@@ -455,30 +358,16 @@ class Router:
             self.shadow.release(shadowed[1])
 
     def hand_off(self, decision: Decision) -> str | None:
-        """The decision's stream closes before its request ends.
-
-        With Envoy's access log connected, the request stays in flight until its log
-        entry brings back the returned ticket (``complete``). Without it, the load feed
-        carries the request, and until the feed can show it, the unseen count. The shadow
-        counts the request on its shadow host no longer: it cannot tell when it ends."""
+        """The decision's stream closes before its request ends: the ledger carries the
+        request from here (``LoadLedger.hand_off``), and returns a ticket for Envoy's access
+        log to bring back when one is connected. The shadow counts the request on its
+        shadow host no longer: it cannot tell when it ends."""
         self._end_shadow(decision)
-        now = self._clock()
-        if self.completions.available:
-            for host in self.completions.expire(now):
-                self.in_flight.release(host)
-                metrics.COMPLETIONS.labels("expired").inc()
-            return self.completions.issue(decision.primary, now)
-        self.in_flight.release(decision.primary)
-        self.unseen.add(decision.primary, now)
-        return None
+        return self.ledger.hand_off(decision.primary, self._clock())
 
-    def complete(self, ticket: str) -> bool:
-        """Envoy logged the request of ``ticket`` done; False if it is not this router's."""
-        host = self.completions.complete(ticket)
-        if host is None:
-            return False
-        self.in_flight.release(host)
-        return True
+
+def _chosen(table: StrategyTable, config: RouterConfig) -> RoutingStrategy:
+    return table[config.routing_strategy, config.prefix_match]
 
 
 def load_policy(config: RouterConfig) -> LoadPolicy:

@@ -420,7 +420,7 @@ async def serve(
         # Tell Envoy's health checks first, keep serving until one has seen it, then
         # refuse new streams and let open ones finish.
         await health_servicer.enter_graceful_shutdown()
-        log.info("router_draining", in_flight=router.in_flight.total())
+        log.info("router_draining", in_flight=router.ledger.in_flight.total())
         await health_servicer.drain_notice()
         await server.stop(router.config.drain_timeout_s)
         for each in servers[1:]:

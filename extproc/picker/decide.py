@@ -1,7 +1,9 @@
 """The decision core: strategy + placement + overflow, with no I/O, clock or randomness.
 
-``decide`` is the only entry point. Randomness is injected as a number in [0, 1), and
-load is a snapshot mapping host address to requests in flight.
+One pure function per strategy (``by_key``, ``at_random``, ``least_loaded``), and
+``decide``, which picks among them by name. Randomness is injected as a number in [0, 1),
+and load is a snapshot mapping host address to requests in flight. Longest match, which
+reads the prefix index, is ``affinity.decide_prefix``.
 """
 
 from __future__ import annotations
@@ -100,34 +102,73 @@ def decide(
     balance_factor: float | None = None,
     balance_min_in_flight: int = 2,
 ) -> Decision:
-    """Pick the upstream for one request.
+    """Pick the upstream for one request, by any strategy but longest match.
 
     ``digest`` is the salted key digest (ignored by RANDOM and LEAST_OUTSTANDING_REQUESTS),
     ``failover`` is how many extra hosts to append for Envoy's retries, ``rand`` in [0, 1)
     breaks ties and drives RANDOM, and ``balance_factor`` bounds a host's load relative to
     the fleet's mean (see ``load_bound``). Never returns a host outside ``hosts``.
     """
+    if strategy is Strategy.PREFIX_AWARE:
+        return by_key(
+            digest,
+            hosts,
+            loads,
+            concurrency_threshold,
+            failover,
+            balance_factor,
+            balance_min_in_flight,
+        )
+    if strategy is Strategy.RANDOM:
+        return at_random(hosts, failover, rand)
+    return least_loaded(hosts, loads, failover, rand)
+
+
+def by_key(
+    digest: int,
+    hosts: HostSet,
+    loads: Mapping[str, int | float],
+    concurrency_threshold: int,
+    failover: int,
+    balance_factor: float | None = None,
+    balance_min_in_flight: int = 2,
+) -> Decision:
+    """PREFIX_AWARE by a fixed-length key: the first host in the digest's placement order
+    under the load bound, else the least loaded."""
     if not hosts.hosts:
         raise NoHostsError("the published host set is empty")
+    strategy = Strategy.PREFIX_AWARE
+    order = placement_order(digest, hosts)
+    bound = load_bound(hosts, loads, concurrency_threshold, balance_factor, balance_min_in_flight)
+    for position, host in enumerate(order):
+        if _load(loads, host) < bound:
+            outcome = Outcome.PLACED if position == 0 else Outcome.OVERFLOW
+            return Decision(_with_failover(host, order, failover), outcome, strategy)
+    # All saturated: the least loaded, earliest in the key's order on ties.
+    least = min(order, key=lambda h: _load(loads, h))
+    return Decision(_with_failover(least, order, failover), Outcome.SATURATED, strategy)
 
-    if strategy is Strategy.PREFIX_AWARE:
-        order = placement_order(digest, hosts)
-        bound = load_bound(
-            hosts, loads, concurrency_threshold, balance_factor, balance_min_in_flight
-        )
-        for position, host in enumerate(order):
-            if _load(loads, host) < bound:
-                outcome = Outcome.PLACED if position == 0 else Outcome.OVERFLOW
-                return Decision(_with_failover(host, order, failover), outcome, strategy)
-        # All saturated: the least loaded, earliest in the key's order on ties.
-        least = min(order, key=lambda h: _load(loads, h))
-        return Decision(_with_failover(least, order, failover), Outcome.SATURATED, strategy)
 
-    count = len(hosts.hosts)
-    # Rotate by ``rand`` so ties (and RANDOM) do not always favour the same host.
-    start = min(int(rand * count), count - 1)
-    rotated = hosts.hosts[start:] + hosts.hosts[:start]
-    if strategy is Strategy.RANDOM:
-        return Decision(_with_failover(rotated[0], rotated, failover), Outcome.RANDOM, strategy)
-    by_load = tuple(sorted(rotated, key=lambda h: _load(loads, h)))  # stable: keeps rotation
+def at_random(hosts: HostSet, failover: int, rand: float) -> Decision:
+    """RANDOM: the host ``rand`` falls on, then the hosts after it for failover."""
+    rotated = _rotated(hosts, rand)
+    return Decision(_with_failover(rotated[0], rotated, failover), Outcome.RANDOM, Strategy.RANDOM)
+
+
+def least_loaded(
+    hosts: HostSet, loads: Mapping[str, int | float], failover: int, rand: float
+) -> Decision:
+    """LEAST_OUTSTANDING_REQUESTS: the least loaded host, ``rand`` breaking ties."""
+    by_load = tuple(sorted(_rotated(hosts, rand), key=lambda h: _load(loads, h)))  # stable
+    strategy = Strategy.LEAST_OUTSTANDING_REQUESTS
     return Decision(_with_failover(by_load[0], by_load, failover), Outcome.LEAST_LOADED, strategy)
+
+
+def _rotated(hosts: HostSet, rand: float) -> tuple[Host, ...]:
+    """The hosts rotated by ``rand``, so that ties (and RANDOM) do not always favour the
+    same host."""
+    count = len(hosts.hosts)
+    if not count:
+        raise NoHostsError("the published host set is empty")
+    start = min(int(rand * count), count - 1)
+    return hosts.hosts[start:] + hosts.hosts[:start]

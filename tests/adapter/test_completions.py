@@ -8,8 +8,9 @@ from envoy.service.accesslog.v3.als_pb2 import StreamAccessLogsMessage
 
 from extproc.adapter.access_log import tickets_of
 from extproc.adapter.completions import TICKET_KEY, Completions
+from extproc.adapter.ledger import COMPLETION_MAX_AGE_S
 from extproc.adapter.messages import LB_METADATA_NAMESPACE
-from extproc.adapter.routing import COMPLETION_MAX_AGE_S, Router
+from extproc.adapter.routing import Router
 from extproc.config import RouterConfig
 from extproc.picker.decide import Strategy
 
@@ -58,27 +59,27 @@ def test_a_handed_off_request_stays_in_flight_until_its_completion_is_logged() -
         random.Random(1),
         clock=lambda: clock[0],
     )
-    router.completions.streams = 1  # an access-log stream is open
+    router.ledger.completions.streams = 1  # an access-log stream is open
     decision = router.route({}, b"{}")
     ticket = router.hand_off(decision)
     assert ticket is not None
-    assert router.in_flight.snapshot() == {decision.primary: 1}
-    assert router.unseen.total() == 0
-    assert not router.complete("someone-else-1")
-    assert router.complete(ticket)
-    assert router.in_flight.total() == 0
+    assert router.ledger.in_flight.snapshot() == {decision.primary: 1}
+    assert router.ledger.unseen.total() == 0
+    assert not router.ledger.complete("someone-else-1")
+    assert router.ledger.complete(ticket)
+    assert router.ledger.in_flight.total() == 0
     # One never logged is released at the next hand-off after COMPLETION_MAX_AGE_S.
     lost = router.hand_off(router.route({}, b"{}"))
     assert lost is not None
     clock[0] += COMPLETION_MAX_AGE_S + 1
     later = router.route({}, b"{}")
     router.hand_off(later)
-    assert router.in_flight.snapshot() == {later.primary: 1}
+    assert router.ledger.in_flight.snapshot() == {later.primary: 1}
 
 
 def test_without_an_access_log_stream_hand_off_falls_back_to_the_estimate() -> None:
     router = Router(RouterConfig(hosts=(A, B)), random.Random(1))
     decision = router.route({}, b"{}")
     assert router.hand_off(decision) is None
-    assert router.in_flight.total() == 0
-    assert router.unseen.total() == 1
+    assert router.ledger.in_flight.total() == 0
+    assert router.ledger.unseen.total() == 1

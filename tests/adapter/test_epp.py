@@ -97,14 +97,14 @@ def test_duplex_holds_the_headers_until_the_body_ends_then_echoes_it_in_order():
     assert data == body
     assert ends == [False] * (len(ends) - 1) + [True]
     assert stream.phase is Phase.DECIDED and not stream.ended
-    assert router.in_flight.snapshot() == {header: 1}
+    assert router.ledger.in_flight.snapshot() == {header: 1}
     # Every later message is answered in kind, the response body echoed too.
     (answer,) = stream.on_message(response_headers({":status": "200"}))
     assert answer.WhichOneof("response") == "response_headers"
     data, ends = echoed(stream.on_message(response_body(b"x" * 150_000)), "response_body")
     assert data == b"x" * 150_000 and ends[-1] is True
     stream.close()
-    assert router.in_flight.total() == 0
+    assert router.ledger.in_flight.total() == 0
 
 
 def test_duplex_decides_at_the_body_limit_and_echoes_later_chunks_one_by_one():
@@ -215,11 +215,11 @@ def test_the_served_endpoint_moves_the_in_flight_count_and_the_prefix():
     picked = destination(first)[0]
     served = next(h for h in HOSTS if h != picked)
     stream.on_message(response_headers({":status": "200"}, served=served))
-    assert router.in_flight.snapshot().get(served) == 1
-    assert router.in_flight.snapshot().get(picked, 0) == 0
+    assert router.ledger.in_flight.snapshot().get(served) == 1
+    assert router.ledger.in_flight.snapshot().get(picked, 0) == 0
     assert counter("prefix_router_served_elsewhere_total") == before + 1
     stream.close()
-    assert router.in_flight.total() == 0
+    assert router.ledger.in_flight.total() == 0
     # The prompt is now known on the host that served it.
     placement = router.place({}, prompt)
     assert placement.lookup is not None and placement.lookup.depth_on(served) > 0
@@ -328,7 +328,7 @@ def test_any_duplex_sequence_echoes_every_byte_in_order_and_stays_in_the_pool(
     if stream.phase is Phase.DECIDED and not stream.ended:
         assert echoed_bytes == sent  # nothing held back once decided
     stream.close()
-    assert router.in_flight.total() == 0
+    assert router.ledger.in_flight.total() == 0
 
 
 def test_a_shedding_picker_answers_429():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -151,7 +152,7 @@ async def test_client_receives_the_load_feed(port: int) -> None:
         )
         await wait_until_async(lambda: router.feed_age() < PATIENCE_S, PATIENCE_S, what="a feed")
         assert router.feed_age() < 2.0
-        loads = router._loads(router.config.routing_strategy)
+        loads = router.ledger.loads(router.config.routing_strategy, router.hosts, time.monotonic())
         assert loads[A] == 5
         assert loads[B] == 0
 

@@ -89,11 +89,11 @@ def test_headers_are_answered_at_once_and_the_body_carries_the_decision():
     targets = metadata_targets(second)
     assert targets[0] == primary
     assert set(targets) == set(HOSTS)  # primary + 2 failover hosts
-    assert router.in_flight.snapshot() == {primary: 1}
+    assert router.ledger.in_flight.snapshot() == {primary: 1}
 
     stream.close()
     stream.close()  # idempotent: released exactly once
-    assert router.in_flight.total() == 0
+    assert router.ledger.in_flight.total() == 0
     assert stream.phase is Phase.CLOSED
 
 
@@ -136,7 +136,7 @@ def test_overflow_at_threshold_moves_to_the_next_host():
     assert primaries[4] not in primaries[:4]
     for stream in streams:
         stream.close()
-    assert router.in_flight.total() == 0
+    assert router.ledger.in_flight.total() == 0
 
 
 def test_out_of_order_messages_are_answered_not_fatal():
@@ -153,7 +153,7 @@ def test_out_of_order_messages_are_answered_not_fatal():
     trailers.request_trailers.SetInParent()
     assert kinds_of(stream.on_message(trailers)) == ["request_trailers"]
     stream.close()
-    assert router.in_flight.total() == 0
+    assert router.ledger.in_flight.total() == 0
 
 
 def test_no_hosts_aborts_the_stream_so_envoys_failure_mode_decides():
@@ -164,7 +164,7 @@ def test_no_hosts_aborts_the_stream_so_envoys_failure_mode_decides():
         stream.on_message(request_body(b"{}"))
     assert aborted.value.reason == "prefix_router_no_hosts"
     stream.close()
-    assert router.in_flight.total() == 0
+    assert router.ledger.in_flight.total() == 0
 
 
 kinds = st.sampled_from(
@@ -198,7 +198,7 @@ def test_any_message_sequence_gets_answers_and_never_leaks_in_flight(sequence, s
         if response.HasField("dynamic_metadata"):
             assert set(metadata_targets(response)) <= set(HOSTS)
     stream.close()
-    assert router.in_flight.total() == 0
+    assert router.ledger.in_flight.total() == 0
 
 
 # ---------------------------------------------------------------- STREAMED, headers held
@@ -223,8 +223,8 @@ def test_streamed_body_holds_the_headers_and_answers_once_with_the_decision():
     assert stream.ended
     # Handed to the load feed: Envoy would end the stream after the body anyway.
     stream.close()
-    assert router.in_flight.total() == 0
-    assert dict(router.unseen.counts(clock[0])) == {primary: 1}
+    assert router.ledger.in_flight.total() == 0
+    assert dict(router.ledger.unseen.counts(clock[0])) == {primary: 1}
     # It decided on the whole body: the same host as the body sent in one message.
     whole = RequestStream(make_router())
     whole.on_message(request_headers({}))
@@ -263,10 +263,10 @@ def test_end_at_decision_hands_the_request_to_the_load_feed():
     assert stream.ended
     stream.close()
     # Not counted in flight until a stream ends, but unseen by the feed for a while.
-    assert router.in_flight.total() == 0
-    assert dict(router.unseen.counts(clock[0])) == {primary: 1}
+    assert router.ledger.in_flight.total() == 0
+    assert dict(router.ledger.unseen.counts(clock[0])) == {primary: 1}
     clock[0] += router.config.load_feed_max_age_s + 0.1
-    assert dict(router.unseen.counts(clock[0])) == {}
+    assert dict(router.ledger.unseen.counts(clock[0])) == {}
 
 
 def test_end_at_decision_in_buffered_partial_mode_ends_after_the_body_response():
@@ -278,8 +278,8 @@ def test_end_at_decision_in_buffered_partial_mode_ends_after_the_body_response()
     assert target_header(answer, "request_body") in HOSTS
     assert stream.ended
     stream.close()
-    assert router.in_flight.total() == 0
-    assert router.unseen.total() == 1
+    assert router.ledger.in_flight.total() == 0
+    assert router.ledger.unseen.total() == 1
 
 
 @given(
@@ -308,12 +308,12 @@ def test_any_sequence_after_streamed_headers_decides_at_most_once(sequence, end_
     for decision in decisions:
         assert set(metadata_targets(decision)) <= set(HOSTS)
     stream.close()
-    assert router.in_flight.total() == 0
+    assert router.ledger.in_flight.total() == 0
 
 
 def test_a_streamed_decision_carries_a_ticket_while_the_access_log_is_connected():
     router = make_router()
-    router.completions.streams = 1
+    router.ledger.completions.streams = 1
     stream = RequestStream(router)
     stream.on_message(request_headers({}, streamed=True))
     (answer,) = stream.on_message(request_body(chat_body("hello " * 400)))
@@ -322,9 +322,9 @@ def test_a_streamed_decision_carries_a_ticket_while_the_access_log_is_connected(
     primary = target_header(answer, "request_headers")
     stream.close()
     # The stream is gone; the request is still in flight until Envoy logs it done.
-    assert router.in_flight.snapshot() == {primary: 1}
-    assert router.complete(ticket)
-    assert router.in_flight.total() == 0
+    assert router.ledger.in_flight.snapshot() == {primary: 1}
+    assert router.ledger.complete(ticket)
+    assert router.ledger.in_flight.total() == 0
 
 
 def shed_count() -> float:
@@ -334,8 +334,8 @@ def shed_count() -> float:
 @pytest.mark.parametrize("streamed", [False, True])
 def test_a_shed_stream_is_decided_on_its_headers_by_load_and_ends_there(streamed):
     router = make_router()
-    router.in_flight.acquire(HOSTS[0])  # the two others are idle
-    router.in_flight.acquire(HOSTS[1])
+    router.ledger.in_flight.acquire(HOSTS[0])  # the two others are idle
+    router.ledger.in_flight.acquire(HOSTS[1])
     before = shed_count()
     stream = RequestStream(router, shed=True)
     (answer,) = stream.on_message(
@@ -351,8 +351,8 @@ def test_a_shed_stream_is_decided_on_its_headers_by_load_and_ends_there(streamed
     assert kinds_of(stream.on_message(request_body(chat_body("late")))) == ["request_body"]
     stream.close()
     # Handed to the load feed at once, like any stream that ends with its decision.
-    assert router.in_flight.snapshot() == {HOSTS[0]: 1, HOSTS[1]: 1}
-    assert dict(router.unseen.counts(router._clock())) == {primary: 1}
+    assert router.ledger.in_flight.snapshot() == {HOSTS[0]: 1, HOSTS[1]: 1}
+    assert dict(router.ledger.unseen.counts(router._clock())) == {primary: 1}
 
 
 def test_a_fleet_whose_hosts_serve_different_models_is_not_shed():
@@ -408,7 +408,7 @@ def test_a_declared_length_over_the_limit_is_refused_at_the_headers(streamed):
     assert_refused_413(response, stream)
     assert refused() == before + 1
     stream.close()
-    assert router.in_flight.total() == 0
+    assert router.ledger.in_flight.total() == 0
 
 
 @pytest.mark.parametrize("length", ["", "abc", "-5", "\u00b2", "9" * 5000])
@@ -619,7 +619,7 @@ def test_a_refused_stream_is_ended_with_nothing_to_release(refusal, end_at_decis
     assert stream.phase is Phase.ENDED and stream.ended and stream.settled
     assert stream.decision is None
     stream.close()
-    assert finished == [] and router.in_flight.total() == 0
+    assert finished == [] and router.ledger.in_flight.total() == 0
 
 
 @pytest.mark.parametrize("mode", [BodyMode.BUFFERED, BodyMode.STREAMED])
@@ -646,17 +646,17 @@ def test_close_after_an_ended_decision_finishes_nothing(how, monkeypatch):
     stays in flight until Envoy logs the request, whatever close does."""
     arguments, requests = ENDED_WITH_A_DECISION[how]
     router = make_router()
-    router.completions.streams = 1
+    router.ledger.completions.streams = 1
     finished = count_finishes(router, monkeypatch)
     stream = RequestStream(router, **arguments)
     for request in requests:
         stream.on_message(request)
     assert stream.phase is Phase.ENDED and stream.decision is not None
-    held = router.in_flight.snapshot()
+    held = router.ledger.in_flight.snapshot()
     assert held == {stream.decision.primary: 1}
     stream.close()
     stream.close()
-    assert finished == [] and router.in_flight.snapshot() == held
+    assert finished == [] and router.ledger.in_flight.snapshot() == held
     assert stream.phase is Phase.CLOSED
 
 
@@ -668,9 +668,9 @@ def test_close_after_a_decided_stream_finishes_its_decision_once(mode, monkeypat
     stream = RequestStream(router, end_at_decision=mode is BodyMode.DUPLEX)
     stream.on_message(headers_in(mode, {":method": "GET"}, end_of_stream=True))
     assert stream.phase is Phase.DECIDED and stream.decision is not None
-    assert router.in_flight.snapshot() == {stream.decision.primary: 1}
+    assert router.ledger.in_flight.snapshot() == {stream.decision.primary: 1}
     stream.close()
-    assert finished == [stream.decision] and router.in_flight.total() == 0
+    assert finished == [stream.decision] and router.ledger.in_flight.total() == 0
     stream.close()  # idempotent: released exactly once
     assert finished == [stream.decision] and stream.phase is Phase.CLOSED
 

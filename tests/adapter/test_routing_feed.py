@@ -253,7 +253,7 @@ def test_handed_off_decisions_count_on_top_of_the_feed_until_it_shows_them() -> 
         decision = router.route({}, body)
         assert decision.primary == X
         router.hand_off(decision)
-    assert router.in_flight.total() == 0
+    assert router.ledger.in_flight.total() == 0
     # A feed whose scrape began before them still cannot.
     clock.now += 0.2
     router.set_feed({X: HostLoad(running=THRESHOLD - 2, scraped_at=clock.now - 0.3)})

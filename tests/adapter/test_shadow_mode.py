@@ -19,6 +19,7 @@ from extproc.control.model import HostLoad
 from extproc.index.shadow import Shadow
 from extproc.picker.decide import Decision
 from extproc.picker.hosts import HostSet
+from extproc.picker.strategy import DecisionInput
 
 HOSTS = tuple(f"127.0.0.{41 + i}:8000" for i in range(4))
 SYSTEM = "You are a careful assistant. " * 40
@@ -134,15 +135,19 @@ def test_a_request_keeps_its_shadow_host_when_an_address_is_reused(monkeypatch):
     # request is decided makes the next decision take it: each request must still count on
     # its own shadow host, until it ends.
     r = router(routing_strategy="RANDOM", shadow=True)
-    decide = routing.decide
+    random_strategy = r.strategy
     dropped: list[Placement] = []
 
-    def decide_as_one_is_dropped(*args, **kwargs):  # type: ignore[no-untyped-def]
-        made = decide(*args, **kwargs)
-        dropped.clear()
-        return Decision(made.targets, made.outcome, made.strategy)
+    class DecidingAsOneIsDropped:
+        strategy = random_strategy.strategy
+        by_chain = random_strategy.by_chain
 
-    monkeypatch.setattr(routing, "decide", decide_as_one_is_dropped)
+        def __call__(self, request: DecisionInput) -> Placement:
+            made = random_strategy(request).decision
+            dropped.clear()
+            return Placement(Decision(made.targets, made.outcome, made.strategy))
+
+    monkeypatch.setattr(r, "_strategy", DecidingAsOneIsDropped())
     reused = 0
     for n in range(10):
         placement = r.place({}, document(1, n))

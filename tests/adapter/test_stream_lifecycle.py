@@ -73,9 +73,9 @@ async def test_half_close_then_reset_ends_the_stream_at_the_reset(served):
     processor, channel = served
     open_streams = metrics.STREAMS._value.get()
     call = await decided_call(channel)
-    assert processor.router.in_flight.total() == 1
+    assert processor.router.ledger.in_flight.total() == 1
     await call.done_writing()  # the request is over: its slot is freed at once
-    await until(lambda: processor.router.in_flight.total() == 0)
+    await until(lambda: processor.router.ledger.in_flight.total() == 0)
     assert metrics.STREAMS._value.get() == open_streams + 1  # waiting for the reset
     call.cancel()  # Envoy's resetStream(): the handler ends now, not after WAIT_S
     assert await until(lambda: metrics.STREAMS._value.get() == open_streams) < 1.0
@@ -87,7 +87,7 @@ async def test_a_client_that_reads_the_status_gets_ok_after_the_wait(served):
     call = await decided_call(channel)
     started = time.monotonic()
     await call.done_writing()
-    await until(lambda: processor.router.in_flight.total() == 0, timeout_s=0.25)
+    await until(lambda: processor.router.ledger.in_flight.total() == 0, timeout_s=0.25)
     assert await call.code() == grpc.StatusCode.OK
     assert 0.3 <= time.monotonic() - started < 2.0
 
@@ -97,5 +97,5 @@ async def test_a_reset_without_a_half_close_frees_the_slot(served):
     open_streams = metrics.STREAMS._value.get()
     call = await decided_call(channel)
     call.cancel()  # the client went away while the router was reading (shielded read)
-    await until(lambda: processor.router.in_flight.total() == 0)
+    await until(lambda: processor.router.ledger.in_flight.total() == 0)
     await until(lambda: metrics.STREAMS._value.get() == open_streams)

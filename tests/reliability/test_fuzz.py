@@ -391,7 +391,7 @@ def test_phase_machine_on_malformed_sequences():
         check_answers(sequence, requests, responses, published, aborted)
         stream.close()
         assert stream.phase is Phase.CLOSED
-        assert router.in_flight.total() == 0  # every slot released
+        assert router.ledger.in_flight.total() == 0  # every slot released
 
     run()
     assert calls == 25_000
@@ -499,7 +499,7 @@ def test_servicer_streams_in_process():
                 "explodes": (grpc.StatusCode.INTERNAL, "prefix_router_internal_error"),
             }
             assert (aborted.code, aborted.details) == expected[which], (which, aborted)
-        assert processor.router.in_flight.total() == 0
+        assert processor.router.ledger.in_flight.total() == 0
         assert metrics.STREAMS._value.get() == open_streams
 
     try:
