@@ -13,7 +13,7 @@ from envoy.service.accesslog.v3.als_pb2 import (
     StreamAccessLogsResponse,
 )
 
-from extproc import metrics
+from extproc.adapter import metrics
 from extproc.adapter.completions import TICKET_KEY
 from extproc.adapter.messages import LB_METADATA_NAMESPACE
 from extproc.adapter.routing import Router

@@ -19,7 +19,8 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
-from extproc import keepalive, metrics, tls
+from extproc import keepalive, tls
+from extproc.adapter import metrics
 from extproc.adapter.routing import Router
 from extproc.control.resources import CLA_TYPE_URL, cla_to_fleet, cla_to_loads, is_load_resource
 from extproc.control.snapshot import LOAD_SUFFIX, SnapshotError

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from extproc import metrics
+from extproc.adapter import metrics
 
 
 class InFlight:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from extproc import metrics
+from extproc.adapter import metrics
 from extproc.adapter.completions import Completions
 from extproc.adapter.inflight import InFlight
 from extproc.adapter.unseen import UnseenDecisions

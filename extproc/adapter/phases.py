@@ -59,8 +59,7 @@ import structlog
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody
 
-from extproc import metrics
-from extproc.adapter import epp, messages
+from extproc.adapter import epp, messages, metrics
 from extproc.adapter.routing import Placement, Router
 from extproc.errors import NoHostsError, StreamAborted
 from extproc.picker.decide import Decision

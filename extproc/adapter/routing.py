@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 
 import structlog
 
-from extproc import metrics
+from extproc.adapter import metrics
 from extproc.adapter.kv_events import KvEventsFeed
 from extproc.adapter.ledger import LoadLedger
 from extproc.adapter.shadow_worker import ShadowWorker
@@ -214,6 +214,18 @@ class Router:
     def feed_age(self) -> float:
         """Seconds since the last load feed (a gauge reads it); infinite before the first."""
         return self.ledger.feed_age(self._clock())
+
+    @property
+    def feed(self) -> Mapping[str, HostLoad]:
+        """The last load feed: each host's load and vLLM counters (the metrics read them)."""
+        return self.ledger.feed
+
+    @property
+    def shadow_predictions(self) -> Shadow | None:
+        """Shadow mode's counters since it started (the metrics read them); None while
+        shadow mode is off."""
+        worker = self.shadow
+        return None if worker is None else worker.shadow
 
     def route(self, headers: Mapping[str, str], body: bytes) -> Decision:
         """Decide where one request goes and count it in flight on its primary host.

@@ -18,8 +18,9 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
-from extproc import keepalive, metrics, tls
-from extproc.adapter import messages
+from extproc import keepalive, tls
+from extproc import metrics as shared_metrics
+from extproc.adapter import messages, metrics
 from extproc.adapter.access_log import AccessLogSink
 from extproc.adapter.fleet_client import FleetClient, FleetTls
 from extproc.adapter.kv_events import KvEventsFeed
@@ -212,10 +213,10 @@ class ConfigReloader:
         try:
             return self._reload()
         except ConfigError as error:
-            metrics.CONFIG_RELOADS.labels("rejected").inc()
+            shared_metrics.CONFIG_RELOADS.labels("rejected").inc()
             log.error("config_reload_rejected", path=str(self._watch.path), error=str(error))
         except Exception:  # a bug, or input nothing anticipated: never the reload task
-            metrics.CONFIG_RELOADS.labels("failed").inc()
+            shared_metrics.CONFIG_RELOADS.labels("failed").inc()
             log.exception("config_reload_failed", path=str(self._watch.path))
         return False
 
@@ -236,7 +237,7 @@ class ConfigReloader:
         self._router.config = new
         if hosts is not None:
             self._router.set_hosts(hosts)
-        metrics.CONFIG_RELOADS.labels("applied").inc()
+        shared_metrics.CONFIG_RELOADS.labels("applied").inc()
         log.info(
             "config_reloaded",
             strategy=new.routing_strategy.value,

@@ -21,7 +21,7 @@ from typing import Any
 
 import structlog
 
-from extproc import metrics
+from extproc.adapter import metrics
 from extproc.index.shadow import Shadow
 from extproc.picker.blocks import PromptBlocks
 from extproc.picker.hosts import HostSet

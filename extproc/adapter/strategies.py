@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 import structlog
 
-from extproc import metrics
+from extproc.adapter import metrics
 from extproc.config import PrefixMatch, RouterConfig
 from extproc.index.placer import place_longest
 from extproc.index.popularity import PrefixPopularity

@@ -40,7 +40,7 @@ from typing import Any
 import msgspec
 import xxhash
 
-from extproc import metrics
+from extproc.adapter import metrics
 from extproc.picker.blocks import PromptBlocks
 
 # A record the queue cannot take (the writer thread far behind) is dropped and counted,

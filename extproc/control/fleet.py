@@ -14,7 +14,8 @@ from pathlib import Path
 
 import structlog
 
-from extproc import metrics
+from extproc import metrics as shared_metrics
+from extproc.control import metrics
 from extproc.control.config import ControlPlaneConfig, load_control_plane_config
 from extproc.control.discovery import Discovery, DnsSource, Source, StaticSource
 from extproc.control.health import HealthChecker, HealthPolicy
@@ -144,10 +145,10 @@ class Fleet:
         try:
             return self._reload(self._config_watch.path)
         except ConfigError as error:
-            metrics.CONFIG_RELOADS.labels("rejected").inc()
+            shared_metrics.CONFIG_RELOADS.labels("rejected").inc()
             log.error("config_reload_rejected", path=str(self._config_watch.path), error=str(error))
         except Exception:  # a bug, or input nothing anticipated: never the discovery loop
-            metrics.CONFIG_RELOADS.labels("failed").inc()
+            shared_metrics.CONFIG_RELOADS.labels("failed").inc()
             log.exception("config_reload_failed", path=str(self._config_watch.path))
         return False
 
@@ -161,7 +162,7 @@ class Fleet:
             config = config.replace(**{name: getattr(self.config, name) for name in restart})
         discovery = Discovery(sources_for(config))  # before anything changes
         self.config, self._discovery = config, discovery
-        metrics.CONFIG_RELOADS.labels("applied").inc()
+        shared_metrics.CONFIG_RELOADS.labels("applied").inc()
         log.info("config_reloaded", hosts=len(config.hosts), dns=len(config.dns))
         return True
 

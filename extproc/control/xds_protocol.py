@@ -17,7 +17,7 @@ from envoy.service.discovery.v3.discovery_pb2 import DiscoveryRequest, Discovery
 
 __all__ = ["DiscoveryRequest", "DiscoveryResponse", "XdsStream"]
 
-from extproc import metrics
+from extproc.control import metrics
 from extproc.control.resources import CLA_TYPE_URL, to_any
 from extproc.control.snapshot import SnapshotStore, content_version
 

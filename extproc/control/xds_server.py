@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from extproc import metrics
+from extproc.control import metrics
 from extproc.control.snapshot import SnapshotStore
 from extproc.control.xds_protocol import DiscoveryRequest, DiscoveryResponse, XdsStream
 

@@ -8,7 +8,7 @@ publishes (``vllm:cache_config_info``). From it, cumulatively, it predicts what
 PREFIX_AWARE would get: the prompt bytes its host would have held (the hit rate, replies
 counted as ``ServedPrompts`` counts them), each host's requests (the share), and the
 decisions that overflowed. The live figures to set them against come from vLLM's own
-counters (the load feed) and the router's decisions; ``metrics.py`` exports both.
+counters (the load feed) and the router's decisions; ``adapter/metrics.py`` exports both.
 """
 
 from __future__ import annotations

@@ -15,8 +15,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from extproc import metrics
-from extproc.adapter import messages
+from extproc.adapter import messages, metrics
 from extproc.adapter.routing import Router
 from extproc.adapter.service import SERVICE_NAME, ExternalProcessor
 from extproc.config import RouterConfig

@@ -14,7 +14,9 @@ import httpx
 import pytest
 import yaml
 
-from extproc import metrics as router_metrics
+from extproc import metrics as shared_metrics
+from extproc.adapter import metrics as router_metrics
+from extproc.control import metrics as control_plane_metrics
 from extproc.stack.bootstrap import BootstrapParams, render
 from extproc.stack.local import envoy_binary
 
@@ -108,11 +110,14 @@ def test_dashboard_queries_name_metrics_that_exist():
         "Shadow mode",
     ):
         assert any(wanted.lower() in title.lower() for title in titles), wanted
-    router_names = {
-        metric._name for metric in vars(router_metrics).values() if hasattr(metric, "_name")
-    }
+    declared = [
+        metric
+        for module in (router_metrics, control_plane_metrics, shared_metrics)
+        for metric in vars(module).values()
+    ]
+    router_names = {metric._name for metric in declared if hasattr(metric, "_name")}
     # Collectors that export several families name them in describe().
-    for metric in vars(router_metrics).values():
+    for metric in declared:
         if (
             not isinstance(metric, type)
             and not hasattr(metric, "_name")

@@ -32,8 +32,7 @@ import structlog
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extproc import metrics
-from extproc.adapter import messages
+from extproc.adapter import messages, metrics
 from extproc.adapter.messages import ProcessingRequest, ProcessingResponse
 from extproc.adapter.phases import Phase, RequestStream
 from extproc.adapter.routing import Router
