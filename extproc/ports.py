@@ -6,15 +6,17 @@ address from here, so no two defaults can drift into each other: a router with
 ``--workers N`` on its metrics port + i (its gRPC and health ports are one address every
 worker binds), and those runs of ports must not reach another default. (They did: worker
 1's metrics port, 9102 + 1, was the control plane's 9103, and the picker's worker 12 would
-have taken 9090 + 12, the router's metrics port, until it moved to 9190.)
+have taken 9090 + 12, the router's metrics port, until it moved to 9190. And the router's
+gRPC port was gRPC's usual 50051, in the ephemeral range: in CI a client's connection held
+50052 as its own port when ``up --workers 2`` started, and worker 1 could not bind it.)
 ``tests/test_ports.py`` checks every default and every worker's span against each other,
 ``tests/integration/test_up.py`` starts up's all at once, and
 ``tests/integration/test_epp_workers.py`` the picker's.
 
 The endpoint picker's ports (9002, 9003, 9090) are the Inference Extension's contract, and
-the KV-event ports (5557, 5558) are vLLM's, and the router's gRPC port is gRPC's usual 50051;
-the rest are ours, below the kernel's ephemeral range (32768 and up), where a client's own
-port can never take one first.
+the KV-event ports (5557, 5558) are vLLM's; the rest are ours. Every one of them, with every
+worker's, is below the kernel's ephemeral range (32768 and up), where a client's own port can
+never take one first.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ MAX_WORKERS = 64
 
 ENVOY_LISTEN = 10000
 ENVOY_ADMIN = 9901
-ROUTER_GRPC = 50051
+# Past the router's metrics span (9190 + 63): 100 above it, as that is above the picker's.
+ROUTER_GRPC = 9290
 # Past the picker's metrics span (9090 + 63): 100 above it.
 ROUTER_METRICS = 9190
 CONTROL_PLANE_XDS = 18000

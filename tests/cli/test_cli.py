@@ -225,7 +225,7 @@ def test_up_defaults_to_three_simulators():
     assert spec.sim_args == ("--ttft-ms", "20.0", "--itl-ms", "5.0")
     assert (spec.listen, spec.router, spec.control_plane) == (
         ("127.0.0.1", 10000),
-        ("127.0.0.1", 50051),
+        ("127.0.0.1", 9290),
         ("127.0.0.1", 18000),
     )
     spec = stack_spec(parse_args(["up", "--backends", "2", "--sim-port", "8100"]))

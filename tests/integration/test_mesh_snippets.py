@@ -354,7 +354,7 @@ def test_filters_match_the_generated_bootstraps():
 
 
 def test_clusters_match_the_generated_bootstraps():
-    replicas = tuple((f"10.0.0.{n}", 50051) for n in (21, 22, 23))
+    replicas = tuple((f"10.0.0.{n}", 9290) for n in (21, 22, 23))
     generated = _generated("override-host", routers=replicas)
     assert load("cluster-router.yaml") == [generated["clusters"]["prefix_router"]]
     vllm, xds = load("cluster-override-host.yaml")
