@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -221,6 +222,11 @@ still closing; after the run they drained to zero.
 {_environment(soak["environment"])}"""
 
 
+def cpu_per_request_us(step: dict[str, Any]) -> float:
+    """The routers' CPU per request achieved at one rate step, in µs."""
+    return 1e6 * float(step["router_cpu"]) / float(step["achieved_rps"])
+
+
 def _saturation_section(data: dict[str, Any]) -> str:
     options = data["options"]
     budget = options["added_p99_budget_ms"]
@@ -236,12 +242,13 @@ def _saturation_section(data: dict[str, Any]) -> str:
         [s["rate"], s["path"], f"{s['achieved_rps']:.0f}", f"{s['p50_ms']:.2f}",
          f"{s['p99_ms']:.2f}", f"{s['p99_added_ms']:+.2f}" if s["path"] != "envoy" else "",
          s["errors"], f"{s['router_cpu']:.2f}",
+         f"{cpu_per_request_us(s):,.0f}" if s["path"] != "envoy" and s["achieved_rps"] else "",
          ("yes" if s["sustained"] else "no") if "sustained" in s else ""]
         for s in data["steps"]
     ]  # fmt: skip
     steps_table = report.markdown_table(
         ["rate (req/s)", "path", "achieved (req/s)", "p50 (ms)", "p99 (ms)", "p99 added (ms)",
-         "errors", "router CPU", "sustained"],
+         "errors", "router CPU", "router CPU per request (µs)", "sustained"],
         step_rows,
     )  # fmt: skip
     profile = data.get("profile") or {}
@@ -299,7 +306,20 @@ def _saturation_section(data: dict[str, Any]) -> str:
         if at_capacity is not None:
             note += (
                 f"; at its capacity ({at_capacity['rate']} req/s) the routers used "
-                f"{at_capacity['router_cpu']:.2f} of a core"
+                f"{at_capacity['router_cpu']:.2f} of a core, "
+                f"{cpu_per_request_us(at_capacity):,.0f} µs of CPU per request"
+            )
+        on_schedule = [
+            step for step in rows if step["achieved_rps"] >= options["min_achieved"] * step["rate"]
+        ]
+        if len(on_schedule) >= 2:
+            slope, intercept = statistics.linear_regression(
+                [step["achieved_rps"] for step in on_schedule],
+                [step["router_cpu"] for step in on_schedule],
+            )
+            note += (
+                f"; its CPU fits {intercept:.2f} of a core plus {1e6 * slope:,.0f} µs per "
+                f"request ({len(on_schedule)} rates)"
             )
         notes.append(f"- {note}.")
     summary = "\n".join(notes)
@@ -327,7 +347,11 @@ most {budget:g} ms above Envoy's at the same rate. The ladder goes on past that 
 find the capacity (the highest rate served in full and on schedule, whatever the
 latency); a configuration stops after {options["failures_to_stop"]} rates in a row that it
 could not keep up with. "router CPU" is the routers' CPU
-time per second of wall time (1.00 = one core), both processes together. Client, Envoy,
+time per second of wall time (1.00 = one core), both processes together, and "per
+request" divides it by the requests achieved: what a deployment sizes cores by, at this
+body size. It falls as the rate rises: part of the CPU is paid whatever the rate, so the
+notes above fit a line (least squares over the rates a configuration served on schedule)
+that splits it into a part per second and a part per request. Client, Envoy,
 routers and backends share this machine's cores (see the machine line below).
 
 {steps_table}

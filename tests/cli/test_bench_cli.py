@@ -89,7 +89,11 @@ def test_overhead_help_lists_only_overhead_flags(capsys):
     ("workload", "flags", "absent"),
     [
         ("soak", ["--requests", "--quick", "--out"], ["--rounds", "--paths", "--duration"]),
-        ("saturation", ["--rounds", "--duration", "--quick"], ["--requests", "--paths"]),
+        (
+            "saturation",
+            ["--rounds", "--duration", "--body-bytes", "--quick"],
+            ["--requests", "--paths"],
+        ),
         ("real-vllm", ["--instances", "--device", "--out"], ["--quick", "--rounds", "--paths"]),
         ("scale-event", ["--paths", "--quick", "--out"], ["--rate", "--rounds", "--duration"]),
         ("fleet-events", ["--rounds", "--quick", "--out"], ["--duration", "--paths"]),
@@ -226,3 +230,15 @@ def test_a_burst_runs_without_a_gateway_and_at_least_one_round(capsys):
     assert "--burst runs without --gateway" in capsys.readouterr().err
     assert main(["bench", "concurrency", "--burst", "--rounds", "0"]) == EXIT_USAGE
     assert "--rounds must be at least 1" in capsys.readouterr().err
+
+
+def test_saturation_body_bytes_must_be_a_positive_size(capsys):
+    assert parse_args(["bench", "saturation"]).body_bytes is None
+    assert parse_args(["bench", "saturation", "--body-bytes", "32768"]).body_bytes == 32768
+    for bad in ("0", "-1", "32k"):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(["bench", "saturation", "--body-bytes", bad])
+        assert exit_.value.code == 2
+        assert f"--body-bytes: expected a size in bytes of at least 1, got '{bad}'" in (
+            capsys.readouterr().err
+        )

@@ -42,6 +42,24 @@ def run_soak(args: argparse.Namespace) -> int:
     return 0 if result.passed else 1
 
 
+def positive_bytes(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a size in bytes of at least 1, got {text!r}")
+    return value
+
+
+def body_bytes(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--body-bytes",
+        type=positive_bytes,
+        help="size of each chat body (default 8192; the prompt is most of it)",
+    )
+
+
 def run_saturation(args: argparse.Namespace) -> int:
     from extproc.bench import saturation
 
@@ -51,6 +69,8 @@ def run_saturation(args: argparse.Namespace) -> int:
         command=command_line(args),
         duration_s=args.duration or SATURATION_DURATION_S,
     )
+    if args.body_bytes is not None:
+        sat = dataclasses.replace(sat, body_bytes=args.body_bytes)
     if args.quick:
         sat = dataclasses.replace(
             sat, rates=(100, 200), duration_s=1.0, rounds=1, profile_s=1.0, failures_to_stop=2
@@ -204,7 +224,13 @@ WORKLOADS = (
     Workload(
         "saturation",
         "the highest rate the router sustains within a p99 budget above plain Envoy's",
-        (rounds, duration(SATURATION_DURATION_S, "seconds at each rate step"), quick, out),
+        (
+            rounds,
+            duration(SATURATION_DURATION_S, "seconds at each rate step"),
+            body_bytes,
+            quick,
+            out,
+        ),
         run_saturation,
     ),
 )
