@@ -31,6 +31,7 @@ from extproc.picker.decide import Strategy
 from extproc.picker.keys import KeyMode
 from extproc.schema import (
     LOG_LEVELS,
+    LOOPBACK_ENDPOINT,
     MAX_SOCKET_PATH_BYTES,
     PEM_FILE,
     AbsolutePath,
@@ -39,6 +40,7 @@ from extproc.schema import (
     HeaderName,
     ListenAddress,
     LogLevel,
+    LoopbackEndpoint,
     Name,
     Number,
     PemFile,
@@ -434,6 +436,38 @@ class RouterConfig(FrozenModel):
         False,
         restart=True,
     )
+    workers_share_decisions: StrictBool = described(
+        "With workers above 1: each worker tells the others every decision it records in "
+        "its prefix index (the host, and the prompt's block hashes, which carry its model "
+        "and salt), over ZMQ on ipc sockets in a private temporary folder, within about "
+        "2 ms, and records theirs as it records its own (speculative entries where the "
+        "host's KV events are read). So a burst of one new "
+        "prompt spread over the workers goes to one host, not one host per worker, before "
+        "the engines' KV events (still the source of truth) confirm it, and where no "
+        "events come. Counted in prefix_router_decisions_published_total and "
+        "prefix_router_sibling_decisions_applied_total/_dropped_total. false: each worker "
+        "knows only its own decisions, as replicas do.",
+        True,
+        restart=True,
+    )
+    decision_exchange_bind: LoopbackEndpoint | None = described(
+        "For router processes on one machine that are not workers of one supervisor (set "
+        "per worker by the supervisor otherwise): publish this router's decisions on this "
+        "ZMQ endpoint, for the routers that list it in their decision_exchange_peers. "
+        "Loopback only: the messages are neither authenticated nor encrypted (an ipc "
+        "socket is guarded by its folder's permissions). null: publish nothing.",
+        None,
+        allowed=LOOPBACK_ENDPOINT,
+        restart=True,
+    )
+    decision_exchange_peers: tuple[LoopbackEndpoint, ...] = described(
+        "The decision_exchange_bind endpoints of the other routers on this machine: this "
+        "router records each decision they publish as it records its own "
+        "(one naming a host outside its host set is dropped and counted). Empty: none.",
+        (),
+        allowed=LOOPBACK_ENDPOINT,
+        restart=True,
+    )
     event_loop: EventLoop = described(
         "The event loop the router runs on: uvloop (libuv), or asyncio's own. The Levers "
         "table of docs/benchmarks/overhead.md measures one against the other.",
@@ -544,6 +578,34 @@ class RouterConfig(FrozenModel):
                     f"at most {65536 - port} with {name} on port {port} (worker i listens on "
                     "its port + i)",
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _decision_exchange_apart(self) -> RouterConfig:
+        own = self.decision_exchange_bind
+        if self.workers > 1 and own is not None:
+            raise ConfigError(
+                "decision_exchange_bind",
+                own,
+                "null when workers > 1 (every worker would bind it; with "
+                "workers_share_decisions the supervisor gives each worker its own)",
+            )
+        if self.workers > 1 and self.workers_share_decisions and self.decision_exchange_peers:
+            raise ConfigError(
+                "decision_exchange_peers",
+                self.decision_exchange_peers,
+                "empty when workers > 1 and workers_share_decisions (the supervisor gives "
+                "each worker its siblings' endpoints)",
+            )
+        peers = self.decision_exchange_peers
+        if own is not None and own in peers:
+            raise ConfigError(
+                "decision_exchange_peers",
+                peers,
+                f"endpoints of other routers, not this one's decision_exchange_bind ({own})",
+            )
+        if len(set(peers)) != len(peers):
+            raise ConfigError("decision_exchange_peers", peers, "each endpoint once")
         return self
 
     @model_validator(mode="after")

@@ -10,6 +10,7 @@ from there, so none of them can drift from the others.
 from __future__ import annotations
 
 import enum
+import ipaddress
 import math
 import ssl
 import types
@@ -84,6 +85,7 @@ def _address(value: Any) -> str:
 # Where a Unix socket path may live: sun_path holds 108 bytes, one of them the final NUL.
 MAX_SOCKET_PATH_BYTES = 107
 UNIX_PREFIX = "unix:"
+LOOPBACK_NET = ipaddress.IPv4Network("127.0.0.0/8")
 
 
 def socket_path(address: str) -> str | None:
@@ -111,6 +113,45 @@ def _listen_address(value: Any) -> str:
         return parse_listen_address(value)
     except ValueError as error:
         raise _invalid(f"ip:port or unix:/absolute/path ({error})") from None
+
+
+IPC_PREFIX = "ipc://"
+TCP_PREFIX = "tcp://"
+LOOPBACK_ENDPOINT = "ipc:///absolute/path or tcp://127.x.x.x:port (loopback)"
+
+
+def parse_loopback_endpoint(text: str) -> str:
+    """A ZMQ endpoint on this machine: ``ipc:///absolute/path`` or ``tcp://127.x.x.x:port``;
+    raise ValueError naming the problem. Nothing off the machine: what travels there is
+    neither authenticated nor encrypted."""
+    if text.startswith(IPC_PREFIX):
+        path = text[len(IPC_PREFIX) :]
+        if not path.startswith("/"):
+            raise ValueError(f"{text!r}: an ipc path must be absolute (ipc:///run/x)")
+        if len(path.encode()) > MAX_SOCKET_PATH_BYTES:
+            raise ValueError(f"{text!r}: an ipc path holds at most 107 bytes")
+        return text
+    if text.startswith(TCP_PREFIX):
+        host, _, port = text[len(TCP_PREFIX) :].rpartition(":")
+        try:
+            loopback = ipaddress.IPv4Address(host) in LOOPBACK_NET
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise ValueError(f"{text!r}: a tcp endpoint must be on 127.0.0.0/8 (loopback)")
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{text!r}: the port must be 1 to 65535")
+        return f"{TCP_PREFIX}{host}:{int(port)}"
+    raise ValueError(f"{text!r}: neither ipc:// nor tcp://")
+
+
+def _loopback_endpoint(value: Any) -> str:
+    if not isinstance(value, str):
+        raise _invalid(f"a string, {LOOPBACK_ENDPOINT}")
+    try:
+        return parse_loopback_endpoint(value)
+    except ValueError as error:
+        raise _invalid(f"{LOOPBACK_ENDPOINT} ({error})") from None
 
 
 def _dns_name(value: Any) -> str:
@@ -162,6 +203,8 @@ def ca_problem(ca_file: str) -> str | None:
 Address = Annotated[str, BeforeValidator(_address)]
 # An Address, or a Unix socket: ``unix:/absolute/path``.
 ListenAddress = Annotated[str, BeforeValidator(_listen_address)]
+# A ZMQ endpoint on this machine (the decision exchange's): ipc:// or tcp:// on loopback.
+LoopbackEndpoint = Annotated[str, BeforeValidator(_loopback_endpoint)]
 # A DNS name and a port.
 DnsName = Annotated[str, BeforeValidator(_dns_name)]
 # An HTTP header name as Envoy hands it to ext_proc: lower case, token characters only, not

@@ -195,3 +195,40 @@ def test_env_sets_a_true_or_false_field(raw, value):
     with pytest.raises(ConfigError) as caught:
         load_config(env={"PREFIX_ROUTER_SHADOW": "maybe"})
     assert caught.value.field == "shadow" and "true or false" in str(caught.value)
+
+
+def test_decision_exchange_endpoints_stay_on_this_machine():
+    config = load_config(
+        env={
+            "PREFIX_ROUTER_DECISION_EXCHANGE_BIND": "tcp://127.0.0.2:05600",
+            "PREFIX_ROUTER_DECISION_EXCHANGE_PEERS": "ipc:///run/r/a, tcp://127.0.0.3:5600",
+        }
+    )
+    assert config.decision_exchange_bind == "tcp://127.0.0.2:5600"
+    assert config.decision_exchange_peers == ("ipc:///run/r/a", "tcp://127.0.0.3:5600")
+    for endpoint in ("tcp://10.0.0.1:5600", "tcp://localhost:5600", "ipc://relative", "inproc://x"):
+        with pytest.raises(ConfigError, match="loopback") as error:
+            load_config(env={}, overrides={"decision_exchange_peers": [endpoint]})
+        assert error.value.field == "decision_exchange_peers[0]"
+    with pytest.raises(ConfigError, match="not this one's") as error:
+        load_config(
+            env={},
+            overrides={
+                "decision_exchange_bind": "ipc:///run/r/a",
+                "decision_exchange_peers": ["ipc:///run/r/a"],
+            },
+        )
+    assert error.value.field == "decision_exchange_peers"
+    with pytest.raises(ConfigError, match="supervisor") as error:
+        load_config(env={}, overrides={"workers": 2, "decision_exchange_bind": "ipc:///run/r/a"})
+    assert error.value.field == "decision_exchange_bind"
+    with pytest.raises(ConfigError, match="supervisor") as error:
+        load_config(env={}, overrides={"workers": 2, "decision_exchange_peers": ["ipc:///a"]})
+    assert error.value.field == "decision_exchange_peers"
+    # Workers that share no decisions among themselves may all hear another router's.
+    alone = {
+        "workers": 2,
+        "workers_share_decisions": False,
+        "decision_exchange_peers": ["ipc:///a"],
+    }
+    assert load_config(env={}, overrides=alone).decision_exchange_peers == ("ipc:///a",)

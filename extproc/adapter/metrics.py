@@ -405,3 +405,23 @@ CONTROL_PLANE_CONNECTED = Gauge(
     "1 while the router's xDS stream to the control plane is up and has delivered the "
     "fleet; 0 while it reconnects (the router places over the last set it received)",
 )
+
+# --- decisions shared with sibling routers (adapter/decision_exchange.py)
+DECISIONS_PUBLISHED = Counter(
+    "prefix_router_decisions_published",
+    "Decisions this router sent its sibling routers (workers_share_decisions, or "
+    "decision_exchange_bind)",
+)
+SIBLING_DECISIONS_APPLIED = Counter(
+    "prefix_router_sibling_decisions_applied",
+    "Sibling routers' decisions recorded in this router's prefix index",
+)
+SIBLING_DECISIONS_DROPPED = Counter(
+    "prefix_router_sibling_decisions_dropped",
+    "Decisions shared between sibling routers that were lost or refused, by reason: "
+    "unknown_host (a host outside this router's host set), malformed (a message this "
+    "version cannot read), settings (the sender's block_bytes or key_mode differ: a reload "
+    "half applied), lost (a gap in a sender's sequence: a full queue between the two), "
+    "send_full (this router's own, its send queue full)",
+    ["reason"],
+)

@@ -22,6 +22,7 @@ from extproc import keepalive, tls
 from extproc import metrics as shared_metrics
 from extproc.adapter import messages, metrics
 from extproc.adapter.access_log import AccessLogSink
+from extproc.adapter.decision_exchange import DecisionExchange
 from extproc.adapter.fleet_client import FleetClient, FleetTls
 from extproc.adapter.kv_events import KvEventsFeed
 from extproc.adapter.lag import LoopLag
@@ -377,6 +378,13 @@ async def serve(
         router.kv_events.set_hosts(router.hosts.addresses)
         metrics.KV_EVENTS.track(router.kv_events)
         background.append(asyncio.create_task(router.kv_events.run(stop)))
+    exchange: DecisionExchange | None = None
+    if config.decision_exchange_bind is not None or config.decision_exchange_peers:
+        exchange = DecisionExchange(
+            router, config.decision_exchange_bind, config.decision_exchange_peers
+        )
+        exchange.start()
+        background.append(asyncio.create_task(exchange.run()))
     if config_path is not None:
         reloader = ConfigReloader(router, config_path, overrides or {})
         background.append(asyncio.create_task(reloader.run(stop)))
@@ -430,6 +438,8 @@ async def serve(
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if exchange is not None:
+            exchange.close()
         metrics_server.shutdown()
         metrics_thread.join(timeout=5)
         if traffic_log is not None:

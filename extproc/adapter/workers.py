@@ -3,12 +3,18 @@
 grpc.aio serves from one thread, so one router process uses one core however many the
 machine has. Envoy spreads its ext_proc streams over the endpoints of the router cluster,
 so N processes on N ports serve N times the streams, with no shared state to lock: each
-worker has its own prefix index, as router replicas do (see docs/architecture.md).
+worker has its own prefix index, as router replicas do (see docs/architecture.md), and
+hears of its siblings' decisions by message (below).
 
 A gateway knows one address for its endpoint picker, so there (``workers_share_listen``)
 every worker binds ``listen`` itself with SO_REUSEPORT and the kernel spreads the
 gateway's connections over them. Either way each worker has its own metrics port (+ i),
 and ``health_listen``, a pod's probe address, is one address all of them bind.
+
+With ``workers_share_decisions`` (the default) the workers tell each other their
+decisions (``decision_exchange.py``) over ipc sockets in a folder of the supervisor's,
+made private at start and removed at the end: each worker binds its own and subscribes
+to the others'.
 
 The supervisor starts each worker in a spawned process (its own interpreter, event loop,
 gRPC server and metrics port), restarts a worker that dies, and on SIGTERM or SIGINT
@@ -21,10 +27,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.context import SpawnProcess
 from multiprocessing.synchronize import Event as EventType
@@ -35,7 +43,7 @@ from typing import Any
 import structlog
 
 from extproc.config import RouterConfig
-from extproc.schema import socket_path
+from extproc.schema import MAX_SOCKET_PATH_BYTES, socket_path
 
 log = structlog.get_logger()
 
@@ -58,18 +66,31 @@ def worker_address(address: str, index: int) -> str:
 
 
 def worker_overrides(
-    config: RouterConfig, overrides: Mapping[str, Any], index: int
+    config: RouterConfig,
+    overrides: Mapping[str, Any],
+    index: int,
+    exchange: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The overrides that make worker ``index`` of ``config``, one worker: its own metrics
     port, and its own listen port unless the workers share ``listen`` (health_listen is
-    always shared)."""
+    always shared). ``exchange``: every worker's decision-exchange endpoint, by index
+    (empty: the workers share no decisions)."""
     shared = config.workers_share_listen
-    return {
+    own = {
         **overrides,
         "listen": config.listen if shared else worker_address(config.listen, index),
         "metrics_listen": worker_address(config.metrics_listen, index),
         "workers": 1,
     }
+    if exchange:
+        own["decision_exchange_bind"] = exchange[index]
+        own["decision_exchange_peers"] = [e for i, e in enumerate(exchange) if i != index]
+    return own
+
+
+def exchange_endpoints(run_dir: Path, workers: int) -> list[str]:
+    """Each worker's decision-exchange endpoint: an ipc socket in ``run_dir``."""
+    return [f"ipc://{run_dir / f'decisions-{i}'}" for i in range(workers)]
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -125,10 +146,12 @@ class Supervisor:
         self._stop = threading.Event()
         self._workers: list[_Worker] = []
         self._delays: dict[int, float] = {}
+        # Each worker's decision-exchange endpoint (workers_share_decisions), by index.
+        self._exchange: list[str] = []
 
     def _spawn(self, index: int, now: float) -> _Worker:
         listening = self._context.Event()
-        overrides = worker_overrides(self.config, self._overrides, index)
+        overrides = worker_overrides(self.config, self._overrides, index, self._exchange)
         process = self._context.Process(
             target=_worker_main,
             args=(self._config_path, overrides, index, os.getpid(), listening),
@@ -150,16 +173,34 @@ class Supervisor:
             signum: signal.signal(signum, self._on_signal)
             for signum in (signal.SIGINT, signal.SIGTERM)
         }
+        run_dir = self._share_decisions()
         try:
             now = self._clock()
             self._workers = [self._spawn(i, now) for i in range(self.config.workers)]
             code = self._watch()
         finally:
             self._stop_all()
+            if run_dir is not None:
+                shutil.rmtree(run_dir, ignore_errors=True)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
         log.info("router_workers_stopped", workers=len(self._workers))
         return code
+
+    def _share_decisions(self) -> Path | None:
+        """With workers_share_decisions: a private folder (mode 0700) for the workers'
+        decision-exchange sockets, each worker's endpoint noted for its overrides."""
+        config = self.config
+        if config.workers < 2 or not config.workers_share_decisions:
+            return None
+        run_dir = Path(tempfile.mkdtemp(prefix="prefix-router-"))
+        endpoints = exchange_endpoints(run_dir, config.workers)
+        if len(endpoints[-1].removeprefix("ipc://").encode()) > MAX_SOCKET_PATH_BYTES:
+            log.warning("decisions_not_shared", reason=f"{run_dir} is too long a socket path")
+            shutil.rmtree(run_dir, ignore_errors=True)
+            return None
+        self._exchange = endpoints
+        return run_dir
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._stop.set()

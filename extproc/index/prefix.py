@@ -14,14 +14,15 @@ lookup reads that view for the host instead of the LRU set, which keeps recordin
 same, so a stream that falls silent falls back to what this router knows.
 
 The decision reads a ``PrefixLookup`` (the matched depth on each host), an immutable value;
-only ``record``, the fleet changes and the event streams mutate the index.
+only ``record`` (and ``record_hashes``, a sibling router's decisions), the fleet changes
+and the event streams mutate the index.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -59,6 +60,10 @@ class PrefixIndex:
         self._cache_tokens: dict[str, float] = {}
         # Blocks dropped, by reason: capacity (LRU), host_left, host_reset.
         self.evicted: dict[str, int] = {"capacity": 0, "host_left": 0, "host_reset": 0}
+        # Told of each decision ``record`` notes (the host, the prompt's chain): the
+        # decision exchange (``adapter/decision_exchange.py``) passes it on to sibling
+        # routers. None: nobody.
+        self.on_record: Callable[[str, Sequence[int]], None] | None = None
 
     # --- what the decision reads
 
@@ -89,11 +94,25 @@ class PrefixIndex:
         hashes = lookup.blocks.hashes
         if not hashes:
             return
+        self._record(host, hashes, lookup.depth_on(host))
+        if self.on_record is not None:
+            self.on_record(host, hashes)
+
+    def record_hashes(self, host: str, hashes: Sequence[int]) -> None:
+        """A sibling router sent ``host`` a prompt whose chain is ``hashes``: recorded as
+        this router's own decision is (speculative where the host's events are read), but
+        not passed on to ``on_record``, so no decision travels twice."""
+        if not hashes:
+            return
+        held = self._hosts.get(host)
+        self._record(host, hashes, held.matched_depth(hashes) if held is not None else 0)
+
+    def _record(self, host: str, hashes: Sequence[int], depth: int) -> None:
         held = self._hosts.get(host)
         if held is None:
             held = self._hosts[host] = HostBlocks(self._capacity_of(host))
             self.resize()  # a new host's share may shrink the others'
-        self.evicted["capacity"] += held.touch(hashes, lookup.depth_on(host))
+        self.evicted["capacity"] += held.touch(hashes, depth)
         if self.speculative_ttl_s is not None:
             now = self._clock()
             view = self._precise.get(host)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,11 +15,15 @@ import httpx
 import pytest
 
 from extproc import ports, tls
-from extproc.adapter.service import server_options
-from extproc.adapter.workers import worker_address, worker_overrides
+from extproc.adapter.messages import TARGET_HEADER, ProcessingResponse
+from extproc.adapter.service import SERVICE_NAME, server_options
+from extproc.adapter.workers import exchange_endpoints, worker_address, worker_overrides
+from extproc.bench.probes import scrape, total
 from extproc.config import RouterConfig
 from extproc.errors import ConfigError
 from extproc.stack.processes import free_port, free_port_run, port_is_free, wait_until
+
+from ..extproc_messages import request_body, request_headers
 
 HOSTS = ("127.0.0.21:8000", "127.0.0.22:8000")
 
@@ -235,3 +240,81 @@ def test_every_worker_runs_on_the_configured_event_loop(tmp_path):
         assert supervisor.wait(timeout=60) == 0
     log = (tmp_path / "router.log").read_text()
     assert log.count('"event_loop": "asyncio"') == 2
+
+
+def test_workers_that_share_decisions_bind_their_own_endpoint_and_subscribe_to_the_others():
+    config = RouterConfig(hosts=HOSTS, workers=3, listen="127.0.0.1:6000")
+    endpoints = exchange_endpoints(Path("/run/r"), 3)
+    assert endpoints == [f"ipc:///run/r/decisions-{i}" for i in range(3)]
+    overrides = worker_overrides(config, {}, 1, endpoints)
+    assert overrides["decision_exchange_bind"] == endpoints[1]
+    assert overrides["decision_exchange_peers"] == [endpoints[0], endpoints[2]]
+    # What the supervisor passes makes a valid worker config.
+    worker = config.replace(**overrides)
+    assert worker.decision_exchange_peers == (endpoints[0], endpoints[2])
+    # A supervisor's own config leaves them to it.
+    with pytest.raises(ConfigError, match="the supervisor gives each worker its siblings"):
+        config.replace(decision_exchange_peers=[endpoints[0]])
+
+
+def routed_to(address: str, body: bytes) -> str:
+    """One buffered ext_proc request: the host the router answers with."""
+    with grpc.insecure_channel(address) as channel:
+        process = channel.stream_stream(
+            f"/{SERVICE_NAME}/Process",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=ProcessingResponse.FromString,
+        )
+        post = {":method": "POST", "content-type": "application/json"}
+        call = process(iter([request_headers(post), request_body(body)]), timeout=10)
+        try:
+            for response in call:
+                for option in response.request_body.response.header_mutation.set_headers:
+                    if option.header.key == TARGET_HEADER:
+                        return option.header.raw_value.decode()
+        finally:
+            call.cancel()
+    raise AssertionError("no decision")
+
+
+def worker_counts(port: int) -> tuple[float, float]:
+    samples = scrape(f"http://127.0.0.1:{port}/metrics")
+    return (
+        total(samples, "prefix_router_decisions_published_total"),
+        total(samples, "prefix_router_sibling_decisions_applied_total"),
+    )
+
+
+def new_document(n: int) -> bytes:
+    text = f"document {n} " + "the body of this document goes on " * 60
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": text}]}).encode()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("share", [True, False])
+def test_two_workers_send_one_new_prompts_requests_to_one_host(tmp_path, share):
+    base = free_port_run(4)
+    env = {"PREFIX_ROUTER_KV_EVENTS": "false"}
+    if not share:
+        env["PREFIX_ROUTER_WORKERS_SHARE_DECISIONS"] = "false"
+    supervisor = start_supervisor(tmp_path, 2, base, env=env)
+    workers = (f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}")
+    try:
+        wait_until(lambda: metrics_up(base + 2) and metrics_up(base + 3), 30, "both workers")
+        time.sleep(0.2)  # each worker's subscription joins the other's endpoint
+        for n in range(8):
+            placed = set()
+            for turn in range(4):  # worker 0, worker 1, worker 0, worker 1
+                placed.add(routed_to(workers[turn % 2], new_document(n)))
+                time.sleep(0.02)  # the decision's batch leaves within 2 ms
+            if share:
+                assert len(placed) == 1, (n, placed)
+        counts = [worker_counts(port) for port in (base + 2, base + 3)]
+    finally:
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(timeout=60) == 0
+    if share:
+        # Each worker published its 16 decisions and applied the other's.
+        assert counts == [(16.0, 16.0), (16.0, 16.0)], counts
+    else:
+        assert counts == [(0.0, 0.0), (0.0, 0.0)], counts

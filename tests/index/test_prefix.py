@@ -76,3 +76,35 @@ def test_a_prompt_shorter_than_a_block_matches_and_records_nothing():
     short = prompt_blocks(b"hi", 64, 0)
     index.record(A, index.lookup(short, [A]))
     assert len(index) == 0 and index.lookup(short, [A]).matched == {}
+
+
+def test_a_siblings_hashes_are_recorded_as_a_decision_of_its_own_and_not_passed_on():
+    own, sibling = PrefixIndex(sizing()), PrefixIndex(sizing())
+    told: list[tuple[str, tuple[int, ...]]] = []
+    own.on_record = lambda host, hashes: told.append((host, tuple(hashes)))
+    sibling.on_record = lambda host, hashes: told.append(("echo", tuple(hashes)))
+    first = doc(0)
+    own.record(A, own.lookup(first, [A, B]))
+    assert told == [(A, first.hashes)]
+    sibling.record_hashes(A, told[0][1])
+    assert told == [(A, first.hashes)]  # a sibling's decision travels once
+    assert own.lookup(first, [A, B]).matched == sibling.lookup(first, [A, B]).matched
+    assert sibling.lookup(first, [A, B]).depth_on(A) == 10
+    # Half of it again, then all of it: the host's LRU keeps a prompt's first blocks the
+    # newest, so what survives eviction is still a prefix.
+    sibling.record_hashes(B, first.hashes[:5])
+    sibling.record_hashes(B, first.hashes)
+    assert sibling.lookup(first, [B]).depth_on(B) == 10
+    sibling.record_hashes(C, ())
+    assert C not in sibling.host_sizes()
+
+
+def test_a_siblings_hashes_are_speculative_where_the_hosts_events_are_read():
+    now = [100.0]
+    index = PrefixIndex(sizing(), clock=lambda: now[0])
+    index.speculative_ttl_s = 2.0
+    first = doc(0)
+    index.record_hashes(A, first.hashes)
+    assert len(index.speculative_of(A)) == 10
+    assert index.speculative_of(A).held(first.hashes[0], now[0] + 1.9)
+    assert not index.speculative_of(A).held(first.hashes[0], now[0] + 2.1)
