@@ -278,7 +278,7 @@ def _real_vllm_rows(runs: Runs) -> Iterable[Row]:
         )
     for scenario, path in by:
         ours, many = by.get((scenario, OURS)), by[scenario, path]
-        if ours is None or not path.startswith(OURS + ", "):
+        if ours is None or not path.startswith(OURS + ", ") or not real_vllm.shares_decisions(path):
             continue
         points = 100 * (many["hit_rate"] - ours["hit_rate"])
         allowed = real_vllm.workers_allowance(results, scenario, path)

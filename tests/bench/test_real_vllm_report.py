@@ -13,7 +13,10 @@ from extproc.bench.real_vllm import (
     PathResult,
     RealVllmOptions,
     path_workers,
+    paths_of,
     run_order,
+    shares_decisions,
+    unshared_path,
     workers_allowance,
     workers_difference,
     workers_path,
@@ -42,6 +45,43 @@ def test_a_workers_path_names_its_worker_count():
     for workers in (2, 4, 16):
         assert path_workers(workers_path(workers)) == workers
     assert path_workers("PREFIX_AWARE") == path_workers("RANDOM-shadowing") == 1
+
+
+def test_an_unshared_path_names_its_worker_count_and_shares_nothing():
+    for workers in (2, 4):
+        assert path_workers(unshared_path(workers)) == workers
+        assert not shares_decisions(unshared_path(workers))
+        assert shares_decisions(workers_path(workers))
+    assert unshared_path(4) == "PREFIX_AWARE, 4 workers, unshared"
+    options = RealVllmOptions(scenarios=("rag",), router_workers=(2, 4), unshared_workers=(4,))
+    assert paths_of("rag", options, peers=())[-3:] == (
+        workers_path(2),
+        workers_path(4),
+        unshared_path(4),
+    )
+    assert unshared_path(4) not in paths_of("rag", RealVllmOptions(), peers=())
+
+
+def test_the_unshared_comparison_is_reported_but_is_no_target():
+    results = [
+        path(SINGLE, 0.5),
+        path("PREFIX_AWARE", 0.60),
+        path(workers_path(4), 0.60),
+        path(unshared_path(4), 0.50),
+    ]
+    data = {
+        "kind": "real-vllm",
+        "options": asdict(RealVllmOptions(out_dir=None, unshared_workers=(4,))),
+        "machine": "test",
+        "results": [asdict(r) for r in results],
+    }
+    text = real_vllm.render(data)
+    assert "| rag | PREFIX_AWARE, 4 workers, unshared | 45 | 50.0% | 100% | -10.0 |" in text
+    assert "The workers share their decisions" in text
+    rows = list(headline._real_vllm_rows({"real-vllm-cpu": data}))
+    assert [r.measure for r in rows if "workers" in r.measure] == [
+        "real vLLM (CPU), rag: 4 workers vs one router process"
+    ]
 
 
 def test_workers_are_held_to_two_points_plus_a_request_per_request_moved_by_load():

@@ -242,3 +242,25 @@ def test_saturation_body_bytes_must_be_a_positive_size(capsys):
         assert f"--body-bytes: expected a size in bytes of at least 1, got '{bad}'" in (
             capsys.readouterr().err
         )
+
+
+def test_real_vllm_subsets_and_the_unshared_comparison_are_validated(capsys):
+    args = parse_args(["bench", "real-vllm"])
+    assert (args.scenarios, args.unshared_workers, args.no_restart, args.report_name) == (
+        None,
+        (),
+        False,
+        None,
+    )
+    args = parse_args(
+        ["bench", "real-vllm", "--scenarios", "many-documents,rag", "--unshared-workers", "2,4"]
+    )
+    assert args.scenarios == ("many-documents", "rag") and args.unshared_workers == (2, 4)
+    for flag, bad, said in (
+        ("--scenarios", "many-docs", "unknown scenario 'many-docs': choose from documents"),
+        ("--unshared-workers", "1", "expected worker counts of at least 2, got '1'"),
+        ("--unshared-workers", "two", "expected worker counts of at least 2, got 'two'"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(["bench", "real-vllm", flag, bad])
+        assert f"{flag}: {said}" in capsys.readouterr().err
