@@ -47,7 +47,7 @@ echo "envoy base image $ENVOY_BASE: $(( $(now) - started )) s"
 
 started=$(now)
 docker build --quiet --network host --build-arg BASE_IMAGE="$BASE" \
-  -f docker/Dockerfile -t "envoy-prefix-router:$TAG" . >/dev/null
+  -f docker/Dockerfile --target router -t "envoy-prefix-router:$TAG" . >/dev/null
 docker build --quiet --network host --build-arg BASE_IMAGE="$BASE" \
   -f docker/Dockerfile --target sim -t "envoy-prefix-router-sim:$TAG" . >/dev/null
 docker build --quiet --build-arg ENVOY_IMAGE="$ENVOY_BASE" \

@@ -57,3 +57,17 @@ class MissingExtraError(RouterError):
             f"{needed_by} needs {module}, which is not installed: "
             f"pip install 'envoy-prefix-router[{extra}]'"
         )
+
+
+class MissingHarnessError(RouterError):
+    """A harness command (``bench``) runs where the package was installed without the
+    benchmark harness (``extproc/bench``, ``extproc/cli/bench``): the router's image, which
+    holds the runtime only. No extra installs it; the message says to run it from a source
+    checkout. The CLI maps it to exit code 1."""
+
+    def __init__(self, module: str, needed_by: str) -> None:
+        self.module = module
+        super().__init__(
+            f"{needed_by}: the benchmark harness ({module}) is not installed in this image; "
+            "run it from a source checkout: pip install -e '.[bench]'"
+        )

@@ -1,37 +1,39 @@
 """Benchmark reports: each run is stored as JSON, and its markdown and PNG plots are
-rendered from that JSON alone (``rerender`` does it again from a committed file)."""
+rendered from that JSON alone (``rerender`` does it again from a committed file).
+
+Storing and rendering, and the helpers the replay's report shares (``machine_description``,
+``markdown_table``), live in ``extproc/reporting.py``, which the router's image holds; this
+module adds what only the harness needs: the table of renderers by kind, and the tools'
+versions and medians the benchmarks quote.
+"""
 
 from __future__ import annotations
 
 import importlib
 import json
-import os
-import platform
 import statistics
 import subprocess
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from extproc import reporting
+from extproc.reporting import machine_description, markdown_table
+
+__all__ = [
+    "RENDERERS",
+    "machine_description",
+    "markdown_table",
+    "median",
+    "render_stored",
+    "rerender",
+    "tool_version",
+    "write_rendered",
+]
+
 
 def median(values: Iterable[float]) -> float:
     return statistics.median(list(values))
-
-
-def machine_description() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (
-        f"{os.cpu_count()} cores ({cpu}), {memory_gib:.0f} GiB, {platform.system()} "
-        f"{platform.release()}, Python {platform.python_version()}"
-    )
 
 
 def tool_version(argv: Sequence[str]) -> str:
@@ -44,12 +46,6 @@ def tool_version(argv: Sequence[str]) -> str:
     if not lines:
         return "unknown"
     return lines[0].split("version:", 1)[-1].strip()
-
-
-def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 # Each stored run names the generator that renders it; a generator module has
@@ -73,29 +69,22 @@ RENDERERS = {
 }
 
 
-def _renderer(kind: str) -> Any:
+def _renderer(kind: str) -> reporting.Renderer:
     if kind not in RENDERERS:
         raise ValueError(f"no renderer for stored runs of kind {kind!r}")
     return importlib.import_module(RENDERERS[kind])
 
 
 def render_stored(data: dict[str, Any], out_dir: Path, name: str) -> Path:
-    """Write ``name``.md (and its plots) in ``out_dir`` from a stored run alone."""
-    module = _renderer(data["kind"])
-    path = out_dir / f"{name}.md"
-    path.write_text(module.render(data))
-    if hasattr(module, "render_plots"):
-        module.render_plots(data, out_dir, name)
-    return path
+    """Write ``name``.md (and its plots) in ``out_dir`` from a stored run alone, by the
+    renderer its kind names."""
+    return reporting.render_stored(data, out_dir, name, _renderer(data["kind"]))
 
 
 def write_rendered(out_dir: Path, name: str, data: dict[str, Any]) -> Path:
     """Store a run as ``name``.json, then render its report from what was stored, so the
     committed markdown is by construction a rendering of the committed data."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(data, indent=1, default=str) + "\n"
-    (out_dir / f"{name}.json").write_text(text)
-    return render_stored(json.loads(text), out_dir, name)
+    return reporting.write_rendered(out_dir, name, data, _renderer(data["kind"]))
 
 
 def rerender(json_path: Path) -> Path:

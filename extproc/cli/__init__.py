@@ -1,7 +1,9 @@
 """The ``prefix-router`` command. The only place errors become exit codes.
 
 Each command is a module here that declares its own flags and handler (``register``);
-``main`` parses, then calls the handler the chosen command set.
+``main`` parses, then calls the handler the chosen command set. Modules are loaded by
+name, only for the command that runs: the benchmark harness's (``bench``) is not in the
+router's image, where ``bench`` says so and every other command runs without it.
 """
 
 from __future__ import annotations
@@ -10,8 +12,15 @@ import argparse
 import importlib
 import sys
 
-from extproc.cli.common import COMMAND_HELP, EXIT_USAGE, require_extra
-from extproc.errors import ConfigError, RouterError
+from extproc.cli.common import (
+    COMMAND_HELP,
+    EXIT_USAGE,
+    HARNESS_COMMANDS,
+    harness_installed,
+    require_extra,
+    require_harness,
+)
+from extproc.errors import ConfigError, MissingHarnessError, RouterError
 
 __all__ = ["EXIT_USAGE", "build_parser", "main", "parse_args"]
 
@@ -33,14 +42,16 @@ COMMAND_MODULES = {
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """Every command with its flags; or, given ``command``, that one with its flags and
     the others by name and help only, so a process imports the modules of its own command
-    alone (``prefix-router router`` loads nothing of the benchmark harness)."""
+    alone (``prefix-router router`` loads nothing of the benchmark harness). Without the
+    harness (the router's image), its commands are listed by name and help only."""
     parser = argparse.ArgumentParser(
         prog="prefix-router",
         description="Prefix-aware routing for vLLM fleets behind Envoy (ext_proc).",
     )
     commands = parser.add_subparsers(dest="command", required=True)
+    harness = harness_installed()
     for name, module in COMMAND_MODULES.items():
-        if command is None or name == command:
+        if (command is None or name == command) and (harness or name not in HARNESS_COMMANDS):
             importlib.import_module(module).register(commands)
         else:
             commands.add_parser(name, help=COMMAND_HELP[name])
@@ -49,21 +60,26 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse ``argv`` (default: the process's), accepting ``bench --workload NAME`` too;
-    the namespace keeps the argv as given, for reports that quote their command."""
+    the namespace keeps the argv as given, for reports that quote their command. A harness
+    command raises ``MissingHarnessError`` where the harness is not installed."""
     given = list(sys.argv[1:] if argv is None else argv)
     command = given[0] if given and given[0] in COMMAND_MODULES else None
-    if command == "bench":
-        from extproc.cli.bench import upgrade_argv
-
-        args = build_parser(command).parse_args(upgrade_argv(given))
-    else:
-        args = build_parser(command).parse_args(given)
+    parsed = given
+    if command in HARNESS_COMMANDS:
+        require_harness(command)
+        # bench rewrites its older ``--workload NAME`` form to the subcommand first.
+        parsed = importlib.import_module(COMMAND_MODULES[command]).upgrade_argv(given)
+    args = build_parser(command).parse_args(parsed)
     args.argv = given
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except MissingHarnessError as error:
+        print(f"prefix-router: {error}", file=sys.stderr)
+        return 1
     # A command may refuse a combination of flags that each parse on their own.
     refusal = vars(args).get("check", lambda _args: None)(args)
     if refusal:

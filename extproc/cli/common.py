@@ -12,7 +12,7 @@ from enum import Enum
 from typing import Any, TypeAlias
 
 from extproc.config import StreamEnd
-from extproc.errors import MissingExtraError
+from extproc.errors import MissingExtraError, MissingHarnessError
 from extproc.picker.decide import Strategy
 from extproc.picker.hosts import parse_host_address
 from extproc.picker.keys import KeyMode
@@ -23,6 +23,12 @@ EXIT_USAGE = 2
 # that needs an extra looks for them before it starts (``require_extra``), so a base
 # install names what to install instead of ending in a traceback, maybe half-way through.
 EXTRAS: dict[str, tuple[str, ...]] = {"bench": ("httpx", "matplotlib")}
+# The benchmark harness: the packages the router's image leaves out (docker/Dockerfile,
+# .dockerignore), and the commands that run it. No runtime module imports them (the
+# harness-only-from-harness import contract); the CLI loads a harness command's module by
+# name, after ``require_harness``, so elsewhere ``bench`` is a clear error, not a traceback.
+HARNESS_MODULES = ("extproc.bench", "extproc.cli.bench")
+HARNESS_COMMANDS = frozenset({"bench"})
 # What ``add_subparsers`` returns; each command module's ``register`` adds its parser to it.
 Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
@@ -126,6 +132,20 @@ def require_extra(extra: str, needed_by: str, modules: tuple[str, ...] | None = 
     for module in EXTRAS[extra] if modules is None else modules:
         if not _installed(module):
             raise MissingExtraError(module, extra, needed_by)
+
+
+def harness_installed() -> bool:
+    """Whether the benchmark harness is here (a source checkout or a full install; not the
+    router's image)."""
+    return all(_installed(module) for module in HARNESS_MODULES)
+
+
+def require_harness(needed_by: str) -> None:
+    """Raise ``MissingHarnessError`` for the first harness package that is not installed;
+    ``needed_by`` (the command) starts the message."""
+    for module in HARNESS_MODULES:
+        if not _installed(module):
+            raise MissingHarnessError(module, needed_by)
 
 
 def _installed(module: str) -> bool:

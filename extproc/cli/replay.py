@@ -112,8 +112,9 @@ def register(commands: Commands) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.out is not None:  # the stored run's plot: before the replay, not after it
         require_extra("bench", "replay --out", ("matplotlib",))
-    from extproc.bench import report as bench_report
+    from extproc import reporting
     from extproc.config import load_config
+    from extproc.replay import report
     from extproc.replay.replayer import ServiceModel
     from extproc.replay.report import document, render, table
     from extproc.replay.run import replay
@@ -132,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     command = shlex.join(["prefix-router", *getattr(args, "argv", [])])
     data = document(found, args.log, command, router, service, args.max_busiest)
     if args.out is not None:
-        path = bench_report.write_rendered(args.out, args.name, data)
+        path = reporting.write_rendered(args.out, args.name, data, report)
         print(f"wrote {path}", file=sys.stderr)
     else:
         render(data)  # the same checks, nothing written

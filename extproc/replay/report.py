@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from extproc.bench import report
+from extproc import reporting
 from extproc.config import RouterConfig
 from extproc.replay.replayer import DRAWS, ReplayResult, ServiceModel
 from extproc.replay.run import ReplayRun
@@ -86,7 +86,7 @@ def document(
         "kind": KIND,
         "format": FORMAT,
         "command": command,
-        "machine": report.machine_description(),
+        "machine": reporting.machine_description(),
         "log": str(log),
         "records": run.records,
         "skipped": run.skipped,
@@ -145,7 +145,7 @@ def table(data: dict[str, Any]) -> str:
         "of them on the busiest instance",
         "tokens saved",
     )
-    return report.markdown_table(header, rows)
+    return reporting.markdown_table(header, rows)
 
 
 def render(data: dict[str, Any]) -> str:
