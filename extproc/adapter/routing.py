@@ -2,34 +2,43 @@
 
 This joins the routing strategies (``strategies.py``, chosen per config) to the live
 state (config, host set, the prefix index, the load ledger in ``ledger.py``) and records
-metrics. It knows nothing of gRPC or of Envoy's messages.
+metrics. What watches the decisions without taking part (the live shares, the traffic log,
+shadow mode) it tells through one interface (``observers.py``), knowing none of them. It
+knows nothing of gRPC or of Envoy's messages.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import random
 import time
-from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 import structlog
 
 from extproc.adapter import metrics
 from extproc.adapter.kv_events import KvEventsFeed
 from extproc.adapter.ledger import LoadLedger
-from extproc.adapter.shadow_worker import ShadowWorker
+from extproc.adapter.observers import (
+    LiveShares,
+    Routed,
+    RouteObserver,
+    configured,
+    shadow_predictions,
+)
+from extproc.adapter.settings import (
+    index_sizing,
+    load_policy,
+    pending_prefill,
+    pending_prefill_rate,
+)
 from extproc.adapter.strategies import StrategyTable, strategy_table
-from extproc.adapter.traffic_log import TrafficLog
 from extproc.config import RouterConfig
 from extproc.control.model import HostLoad
 from extproc.errors import NoHostsError
 from extproc.index.popularity import PrefixPopularity
-from extproc.index.prefill import PendingPrefill
-from extproc.index.prefix import IndexSizing, PrefixIndex
-from extproc.index.shadow import Shadow
-from extproc.picker.affinity import LoadPolicy
+from extproc.index.prefix import PrefixIndex
 from extproc.picker.blocks import PromptBlocks, chain_seed, prompt_blocks
 from extproc.picker.decide import OVERFLOWED, Decision, Outcome, Strategy
 from extproc.picker.hosts import HostSet
@@ -42,6 +51,8 @@ from extproc.picker.strategy import Placement as Placement
 
 log = structlog.get_logger("router")
 
+Kind = TypeVar("Kind")
+
 
 def key_chain(key: RoutingKey, block_bytes: int) -> PromptBlocks:
     """The block chain of a routing key, seeded by its model and salt."""
@@ -49,9 +60,10 @@ def key_chain(key: RoutingKey, block_bytes: int) -> PromptBlocks:
 
 
 class DeferredChain:
-    """A prompt's block chain, hashed when first asked for, in the thread that asks (the
-    traffic log's writer, shadow mode's worker), and then kept for the other. It holds the
-    key, as the chain itself would; a race between the two threads hashes it twice, alike."""
+    """A prompt's block chain, hashed when first asked for, in the thread that asks (an
+    observer's: the traffic log's writer, shadow mode's worker), and then kept for the
+    others. It holds the key, as the chain itself would; a race between two threads hashes
+    it twice, alike."""
 
     __slots__ = ("_block_bytes", "_blocks", "_key")
 
@@ -72,11 +84,9 @@ class Router:
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
-        traffic_log: TrafficLog | None = None,
+        observers: Sequence[RouteObserver] = (),
     ) -> None:
         self._config = config
-        # Where each request's record goes (``traffic_log.py``); None: nowhere.
-        self.traffic_log = traffic_log
         self.hosts = HostSet.of(config.hosts)
         # Every host's load: in-flight counts, decisions handed off, the load feed.
         self.ledger = LoadLedger(config.load_feed_max_age_s, config.control_plane is not None)
@@ -91,16 +101,14 @@ class Router:
         )
         # The config's strategy, looked up once per config rather than per request.
         self._strategy = _chosen(self._strategies, config)
-        # Shadow mode (``index/shadow.py``): where PREFIX_AWARE would have sent each request,
-        # placed in its own thread. A request is known to it by a number from ``_tokens``,
-        # kept here beside its decision until it ends, and found by the decision's id():
-        # the decision is held here, so no other object can take that id meanwhile. A
-        # decision ``served`` moved to another endpoint takes over its first one's number.
-        self.shadow = new_shadow(config) if config.shadow else None
-        self._tokens = itertools.count()
-        self._shadowed: dict[int, tuple[Decision, int]] = {}
-        # Live decisions per host, since start: the share the shadow's is set against.
-        self.routed: Counter[str] = Counter()
+        # What is told of every decision (``observers.py``): the live decisions per host,
+        # those the config asks for (the traffic log, shadow mode: built anew on a reload
+        # that changes their settings), and those the caller gave (kept, and stopped with
+        # the router).
+        self._live = LiveShares()
+        self._configured = configured(config)
+        self._given = tuple(observers)
+        self._observe()
         self._rng = rng or random.Random()
         self._clock = clock
         self._wall_clock = wall_clock
@@ -126,8 +134,10 @@ class Router:
 
     @config.setter
     def config(self, config: RouterConfig) -> None:
-        """A new config (hot reload): the index starts afresh if what it holds changed, and
-        the strategies are built anew from its settings."""
+        """A new config (hot reload): the index starts afresh if what it holds changed, the
+        strategies are built anew from its settings, and the observers it asks for (shadow
+        mode, the traffic log) are kept while their settings stay, or stopped and built
+        anew (``observers.configured``)."""
         policy = load_policy(config)  # before anything changes: a failure leaves the old
         old, self._config = self._config, config
         self.ledger.configure(config.load_feed_max_age_s, config.control_plane is not None)
@@ -139,16 +149,16 @@ class Router:
             log.info("prefix_index_cleared", reason="index settings changed")
         if pending_prefill_rate(old) != pending_prefill_rate(config):
             self.prefill = pending_prefill(config)
-        if not config.shadow:
-            self._drop_shadow()
-        elif self.shadow is None or _shadow_settings(old) != _shadow_settings(config):
-            self._drop_shadow()
-            self.shadow = new_shadow(config)
-            self.shadow.retain(self.hosts.addresses)
-            self.shadow.set_cache_sizes(
-                {a: load.cache_capacity_tokens for a, load in self.ledger.feed.items()}
-            )
-            log.info("shadow_started")
+        held = self._configured
+        self._configured = configured(config, held)
+        self._observe()
+        for observer in self._configured:
+            if not any(observer is h for h in held):  # built now: told the fleet as it is
+                observer.hosts_changed(self.hosts.addresses)
+                observer.cache_sizes(
+                    {a: load.cache_capacity_tokens for a, load in self.ledger.feed.items()}
+                )
+                log.info(f"{observer.name}_started")
         self._strategies = strategy_table(config, policy, self.index, self.popularity, self.prefill)
         self._strategy = _chosen(self._strategies, config)
         self.index.sizing = index_sizing(config)
@@ -160,15 +170,27 @@ class Router:
         """The strategy the config routes by."""
         return self._strategy
 
-    def _drop_shadow(self) -> None:
-        if self.shadow is not None:
-            self.shadow.stop()
-        self.shadow = None
-        self._shadowed.clear()
+    def _observe(self) -> None:
+        """Take up the observers as they are now, and what they read of a request."""
+        self.observers: tuple[RouteObserver, ...] = (
+            self._live,
+            *self._configured,
+            *self._given,
+        )
+        self._reads_prompt = any(o.reads_prompt for o in self.observers)
+        self._reads_weights = any(o.reads_weights for o in self.observers)
+
+    def observer(self, kind: type[Kind]) -> Kind | None:
+        """The observer of that kind the router holds, if any (tests and benchmarks look)."""
+        return next((o for o in self.observers if isinstance(o, kind)), None)
 
     def close(self) -> None:
-        """Stop shadow mode's thread (the router is stopping)."""
-        self._drop_shadow()
+        """Stop the observers: their threads end, their files are closed (the router is
+        stopping)."""
+        for observer in (*self._configured, *self._given):
+            observer.stop()
+        self._configured = self._given = ()
+        self._observe()
 
     def _count_evictions(self) -> None:
         for reason, total in self.index.evicted.items():
@@ -185,10 +207,8 @@ class Router:
             self.kv_events.set_hosts(hosts.addresses)
         if self.prefill is not None:
             self.prefill.retain(hosts.addresses)
-        if self.shadow is not None:
-            self.shadow.retain(hosts.addresses)
-        for host in [h for h in self.routed if h not in hosts.addresses]:
-            del self.routed[host]
+        for observer in self.observers:
+            observer.hosts_changed(hosts.addresses)
         self._count_evictions()
         metrics.HOSTS.set(len(hosts))
         self.ready.set()
@@ -201,13 +221,13 @@ class Router:
             # Counters that went backwards: the engine restarted, its cache is empty.
             if before is not None and load.prefix_cache_queries < before.prefix_cache_queries:
                 self.index.forget(address)
-                if self.shadow is not None:
-                    self.shadow.forget(address)
+                for observer in self.observers:
+                    observer.host_reset(address)
                 log.info("prefix_index_host_reset", host=address)
         sizes = {a: load.cache_capacity_tokens for a, load in loads.items()}
         self.index.set_cache_sizes(sizes)
-        if self.shadow is not None:
-            self.shadow.set_cache_sizes(sizes)
+        for observer in self.observers:
+            observer.cache_sizes(sizes)
         self._count_evictions()
         self.ledger.set_feed(loads, self._clock(), self._wall_clock())
 
@@ -221,11 +241,15 @@ class Router:
         return self.ledger.feed
 
     @property
-    def shadow_predictions(self) -> Shadow | None:
+    def routed(self) -> Mapping[str, int]:
+        """The live decisions per host since start (the metrics read them)."""
+        return self._live.counts
+
+    @property
+    def shadow_predictions(self) -> metrics.ShadowPredictions | None:
         """Shadow mode's counters since it started (the metrics read them); None while
         shadow mode is off."""
-        worker = self.shadow
-        return None if worker is None else worker.shadow
+        return shadow_predictions(self.observers)
 
     def route(self, headers: Mapping[str, str], body: bytes) -> Decision:
         """Decide where one request goes and count it in flight on its primary host.
@@ -249,13 +273,11 @@ class Router:
         config = self.config
         strategy = self._strategy
         by_chain = strategy.by_chain
-        shadow = self.shadow
-        traffic_log = self.traffic_log
-        observed = traffic_log is not None or shadow is not None
-        # The prompt's block chain: a strategy by the chain matches on it, and the traffic
-        # log and the shadow read it under any strategy. Then the prompt is read as deep as
-        # matching goes, once, and the key says where its first prefix_length characters
-        # (the fixed-length key) end.
+        observed = self._reads_prompt
+        # The prompt's block chain: a strategy by the chain matches on it, and observers
+        # (the traffic log, the shadow) read it under any strategy. Then the prompt is read
+        # as deep as matching goes, once, and the key says where its first prefix_length
+        # characters (the fixed-length key) end.
         chained = by_chain or observed
         limit = config.match_depth_chars if chained else config.prefix_length
         fixed_length = config.prefix_length if chained and not by_chain else None
@@ -266,8 +288,8 @@ class Router:
         if key.salt_rejected:
             metrics.SALT_REJECTED.labels(key.salt_rejected.split(" ")[0]).inc()
             log.warning("salt_rejected", source=key.salt_rejected)
-        # A strategy by the chain places by it here; where only the traffic log or the
-        # shadow reads it, their own threads hash it (once, for both), off the request path.
+        # A strategy by the chain places by it here; where only observers read it, their
+        # own threads hash it (once, for all of them), off the request path.
         # Otherwise the fixed-length key's digest: PREFIX_AWARE-fixed places by it, and the
         # traffic log keeps it so that a replay places as the router did.
         blocks: PromptBlocks | None = None
@@ -279,13 +301,10 @@ class Router:
         chain: PromptBlocks | DeferredChain | None = None
         if observed:
             chain = blocks if blocks is not None else DeferredChain(key, config.block_bytes)
-        if traffic_log is not None and chain is not None:
-            fixed = None if by_chain else (digest, config.prefix_length)
-            traffic_log.write(chain, key.model, key.salt, fixed)
         now = self._clock()
         hosts = candidates.serving(key.model)
-        # The weights: read by a strategy by the chain, and by the shadow.
-        reads_weights = by_chain or shadow is not None
+        # The weights: read by a strategy by the chain, and by observers that ask (the shadow).
+        reads_weights = by_chain or self._reads_weights
         weights = self.ledger.placement_weights(hosts, now) if reads_weights else NO_WEIGHTS
         placement = strategy(
             DecisionInput(
@@ -303,15 +322,14 @@ class Router:
         if placement.lookup is not None:
             self._count_evictions()
         self.ledger.acquire(decision.primary)
-        self.routed[decision.primary] += 1
         metrics.DECISIONS.labels(decision.strategy.value, decision.outcome.value).inc()
         if decision.outcome in OVERFLOWED:
             metrics.OVERFLOWS.labels(decision.strategy.value).inc()
         metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
-        if shadow is not None and chain is not None:
-            token = next(self._tokens)
-            self._shadowed[id(decision)] = (decision, token)
-            shadow.place(token, chain, hosts, weights, now)
+        fixed = None if by_chain else (digest, config.prefix_length)
+        routed = Routed(decision, hosts, weights, now, chain, key.model, key.salt, fixed)
+        for observer in self.observers:
+            observer.routed(routed)
         return placement
 
     def served(self, placement: Placement, endpoint: str) -> Decision:
@@ -323,12 +341,9 @@ class Router:
             return decision
         self.ledger.release(decision.primary)
         self.ledger.acquire(endpoint)
-        self.routed[decision.primary] -= 1
-        self.routed[endpoint] += 1
         moved = Decision((endpoint,), decision.outcome, decision.strategy)
-        shadowed = self._shadowed.pop(id(decision), None)
-        if shadowed is not None:
-            self._shadowed[id(moved)] = (moved, shadowed[1])
+        for observer in self.observers:
+            observer.moved(decision, moved)
         if placement.lookup is not None:
             self.index.record(endpoint, placement.lookup)
             self._count_evictions()
@@ -362,77 +377,23 @@ class Router:
 
     def finish(self, decision: Decision) -> None:
         self.ledger.release(decision.primary)
-        self._end_shadow(decision)
+        self._ended(decision)
 
-    def _end_shadow(self, decision: Decision) -> None:
-        shadowed = self._shadowed.pop(id(decision), None)
-        if shadowed is not None and self.shadow is not None:
-            self.shadow.release(shadowed[1])
+    def _ended(self, decision: Decision) -> None:
+        for observer in self.observers:
+            observer.ended(decision)
 
     def hand_off(self, decision: Decision) -> str | None:
         """The decision's stream closes before its request ends: the ledger carries the
         request from here (``LoadLedger.hand_off``), and returns a ticket for Envoy's access
-        log to bring back when one is connected. The shadow counts the request on its
-        shadow host no longer: it cannot tell when it ends."""
-        self._end_shadow(decision)
+        log to bring back when one is connected. Its observers are told it ended: shadow mode
+        counts it on its shadow host no longer, as it cannot tell when it ends."""
+        self._ended(decision)
         return self.ledger.hand_off(decision.primary, self._clock())
 
 
 def _chosen(table: StrategyTable, config: RouterConfig) -> RoutingStrategy:
     return table[config.routing_strategy, config.prefix_match]
-
-
-def load_policy(config: RouterConfig) -> LoadPolicy:
-    return LoadPolicy(
-        config.concurrency_threshold,
-        config.balance_factor,
-        config.balance_min_in_flight,
-        config.overload_cost,
-    )
-
-
-def pending_prefill_rate(config: RouterConfig) -> float | None:
-    """Prompt bytes an engine prefills a second; None: queued prefill is not counted."""
-    if config.prefill_tokens_per_s is None:
-        return None
-    return config.prefill_tokens_per_s * config.chars_per_token
-
-
-def pending_prefill(config: RouterConfig) -> PendingPrefill | None:
-    rate = pending_prefill_rate(config)
-    return None if rate is None else PendingPrefill(rate)
-
-
-def new_shadow(config: RouterConfig) -> ShadowWorker:
-    return ShadowWorker(
-        Shadow(
-            index_sizing(config),
-            load_policy(config),
-            config.hot_prefix_factor,
-            pending_prefill_rate(config),
-        )
-    )
-
-
-def _shadow_settings(config: RouterConfig) -> tuple[object, ...]:
-    """What the shadow's model depends on: when one of these changes, it starts afresh."""
-    return (
-        config.key_mode,
-        config.block_bytes,
-        config.match_depth_chars,
-        load_policy(config),
-        config.hot_prefix_factor,
-        pending_prefill_rate(config),
-    )
-
-
-def index_sizing(config: RouterConfig) -> IndexSizing:
-    return IndexSizing(
-        block_bytes=config.block_bytes,
-        max_blocks=config.index_max_blocks,
-        default_host_tokens=config.index_host_tokens,
-        chars_per_token=config.chars_per_token,
-    )
 
 
 def _index_settings(config: RouterConfig) -> tuple[object, ...]:

@@ -28,7 +28,6 @@ from extproc.adapter.kv_events import KvEventsFeed
 from extproc.adapter.lag import LoopLag
 from extproc.adapter.phases import RequestStream
 from extproc.adapter.routing import Router
-from extproc.adapter.traffic_log import TrafficLog
 from extproc.config import EventLoop, PrefixMatch, RouterConfig, StreamEnd, load_config
 from extproc.errors import ConfigError, StreamAborted
 from extproc.filewatch import FileWatcher
@@ -337,12 +336,8 @@ async def serve(
 ) -> None:
     """Run the router until ``stop`` is set (or SIGINT/SIGTERM), then drain and exit.
     ``on_listening`` is called once its ports are bound and the gRPC server started."""
-    traffic_log = (
-        TrafficLog(Path(config.traffic_log), config.traffic_log_max_bytes, config.traffic_log_files)
-        if config.traffic_log is not None
-        else None
-    )
-    router = Router(config, traffic_log=traffic_log)
+    # Its observers (the traffic log, shadow mode) come from the config; close() stops them.
+    router = Router(config)
     server = grpc.aio.server(options=server_options(config.workers_share_listen))
     stop = stop or asyncio.Event()
     lag = LoopLag()
@@ -442,8 +437,6 @@ async def serve(
             exchange.close()
         metrics_server.shutdown()
         metrics_thread.join(timeout=5)
-        if traffic_log is not None:
-            traffic_log.close()
         router.close()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)

@@ -1,5 +1,6 @@
 """Shadow mode off the request path: a thread that owns the ``Shadow`` and applies, in
-order, what the router tells it (place a request, release it, the fleet changed).
+order, what the router tells it through ``ShadowObserver`` (``observers.py``): place a
+request, release it, the fleet changed.
 
 A request only queues what the shadow needs (its key, whose block chain this thread
 hashes, the hosts it could go to, the placement weights, the time); the shadow's

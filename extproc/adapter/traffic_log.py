@@ -159,6 +159,7 @@ class TrafficLog:
         self._listener = logging.handlers.QueueListener(self._handler.queue, writer)
         self._listener.start()
         self._clock = time.time
+        self._closed = False
 
     @property
     def dropped(self) -> int:
@@ -176,7 +177,11 @@ class TrafficLog:
         self._handler.enqueue(record)
 
     def close(self) -> None:
-        """Write what is queued, then close the file."""
+        """Write what is queued, then close the file; closing it again does nothing (its
+        opener and the router that wrote to it may both close it)."""
+        if self._closed:
+            return
+        self._closed = True
         self._listener.stop()
         self._writer.close()
 

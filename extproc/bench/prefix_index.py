@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from extproc.adapter.routing import load_policy
+from extproc.adapter.settings import load_policy
 from extproc.bench import report
 from extproc.bench.offline import SESSION_HASH, OfflineFleet, simulate
 from extproc.bench.workloads import WorkloadName, WorkloadSpec, generate

@@ -23,6 +23,7 @@ from typing import Any
 
 import structlog
 
+from extproc.adapter.observers import ShadowObserver, TrafficLogObserver
 from extproc.adapter.routing import Router
 from extproc.adapter.traffic_log import TrafficLog
 from extproc.bench import report
@@ -170,11 +171,13 @@ def measure_cost(requests: list[BenchRequest], rounds: int, count: int) -> dict[
                 config = RouterConfig(
                     hosts=hosts, routing_strategy=Strategy.RANDOM, shadow="shadow" in variant
                 )
-                router = Router(config, random.Random(1), traffic_log=traffic)
+                given = () if traffic is None else (TrafficLogObserver(traffic),)
+                router = Router(config, random.Random(1), observers=given)
                 started = time.process_time()
                 took = _route_all(router, bodies)
-                if router.shadow is not None:
-                    router.shadow.sync()  # its placements are done: their CPU is counted
+                shadow = router.observer(ShadowObserver)
+                if shadow is not None:
+                    shadow.sync()  # its placements are done: their CPU is counted
                 if traffic is not None:
                     traffic.close()  # every record written
                 cpu[variant].append(1e6 * (time.process_time() - started) / len(bodies))

@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import REGISTRY, generate_latest
 
 from extproc.adapter import routing
+from extproc.adapter.observers import ShadowObserver, TrafficLogObserver
 from extproc.adapter.routing import Placement, Router
 from extproc.adapter.traffic_log import TrafficLog, read_records
 from extproc.config import RouterConfig
@@ -38,11 +39,16 @@ def router(**settings) -> Router:  # type: ignore[no-untyped-def]
     return Router(RouterConfig(hosts=HOSTS, **settings), random.Random(3), clock=Clock())
 
 
+def observer_of(r: Router) -> ShadowObserver | None:
+    return r.observer(ShadowObserver)
+
+
 def shadow_of(r: Router) -> Shadow:
     """The shadow, once its thread has applied everything queued so far."""
-    assert r.shadow is not None
-    r.shadow.sync()
-    return r.shadow.shadow
+    observer = observer_of(r)
+    assert observer is not None
+    observer.sync()
+    return observer.predictions
 
 
 def document(n: int, question: int = 0) -> bytes:
@@ -57,7 +63,7 @@ def workload() -> list[bytes]:
 
 def test_off_by_default_and_costs_nothing():
     r = router(routing_strategy="RANDOM")
-    assert r.shadow is None
+    assert observer_of(r) is None and r.shadow_predictions is None
     r.finish(r.route({}, document(1)))
     assert REGISTRY.get_sample_value("prefix_router_shadow_enabled") == 0
 
@@ -80,7 +86,7 @@ def test_the_chain_is_hashed_off_the_request_path_and_once(tmp_path, monkeypatch
         RouterConfig(hosts=HOSTS, routing_strategy="RANDOM", shadow=True),
         random.Random(3),
         clock=Clock(),
-        traffic_log=traffic,
+        observers=() if traffic is None else (TrafficLogObserver(traffic),),
     )
     r.finish(r.route({}, document(1)))
     shadow = shadow_of(r)
@@ -105,7 +111,8 @@ def test_the_shadow_decides_as_prefix_aware_does(live):
         shadowed.finish(decision)
         prefix.finish(expected)
     shadow = shadow_of(shadowed)
-    assert not shadow.in_flight and shadowed.shadow is not None and not shadowed.shadow.pending
+    observer = observer_of(shadowed)
+    assert not shadow.in_flight and observer is not None and not observer.worker.pending
     assert sum(shadow.requests.values()) == 200 == sum(shadowed.routed.values())
     # Its predicted hit rate is the live PREFIX_AWARE router's own estimate.
     predicted = shadow.matched_bytes / shadow.prompt_bytes
@@ -126,7 +133,8 @@ def test_a_request_counts_on_its_shadow_host_until_it_ends():
     assert sum(shadow_of(r).in_flight.values()) == 2
     r.finish(moved)
     r.finish(decisions[2])
-    assert not shadow_of(r).in_flight and not r._shadowed
+    observer = observer_of(r)
+    assert not shadow_of(r).in_flight and observer is not None and not observer.requests
 
 
 def test_a_request_keeps_its_shadow_host_when_an_address_is_reused(monkeypatch):
@@ -158,11 +166,12 @@ def test_a_request_keeps_its_shadow_host_when_an_address_is_reused(monkeypatch):
         del placement
         later = r.route({}, document(2, n))
         reused += id(later) == first
-        assert r.shadow is not None
-        assert sum(shadow_of(r).in_flight.values()) == 2 and r.shadow.pending == 2
+        observer = observer_of(r)
+        assert observer is not None
+        assert sum(shadow_of(r).in_flight.values()) == 2 and observer.worker.pending == 2
         r.finish(moved)
         r.finish(later)
-        assert not shadow_of(r).in_flight and not r.shadow.pending
+        assert not shadow_of(r).in_flight and not observer.worker.pending
     assert reused  # the case under test happened
 
 
@@ -191,13 +200,13 @@ def test_a_reload_turns_it_on_and_off_and_a_model_change_starts_it_afresh():
     assert sum(shadow_of(r).requests.values()) == 1
     r.config = RouterConfig(hosts=HOSTS, routing_strategy="RANDOM", shadow=True, overload_cost=1)
     assert shadow_of(r) is not first and not shadow_of(r).requests
-    kept = r.shadow
+    kept = observer_of(r)
     r.config = RouterConfig(hosts=HOSTS, routing_strategy="LEAST_OUTSTANDING_REQUESTS",
                             shadow=True, overload_cost=1)  # fmt: skip
-    assert r.shadow is kept  # the live strategy is not the shadow's business
+    assert observer_of(r) is kept  # the live strategy is not the shadow's business
     decision = r.route({}, document(2))
     r.config = RouterConfig(hosts=HOSTS, routing_strategy="RANDOM")
-    assert r.shadow is None
+    assert observer_of(r) is None and r.shadow_predictions is None
     r.finish(decision)  # a request shadowed before the reload ends after it
 
 

@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from extproc.adapter.routing import Router, index_sizing, load_policy
+from extproc.adapter.routing import Router
+from extproc.adapter.settings import index_sizing, load_policy
 from extproc.adapter.strategies import LongestMatchStrategy, strategy_table
 from extproc.config import PrefixMatch, RouterConfig
 from extproc.index.popularity import PrefixPopularity

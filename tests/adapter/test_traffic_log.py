@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from extproc.adapter.observers import TrafficLogObserver
 from extproc.adapter.routing import Router
 from extproc.adapter.traffic_log import (
     RecordReader,
@@ -36,7 +37,7 @@ def chat(text: str, **extra: object) -> bytes:
 def logged_router(tmp_path, **settings) -> tuple[Router, TrafficLog]:
     log = TrafficLog(tmp_path / "traffic.log", max_bytes=1024 * 1024, files=3)
     config = RouterConfig(hosts=HOSTS, **settings)
-    return Router(config, random.Random(1), traffic_log=log), log
+    return Router(config, random.Random(1), observers=(TrafficLogObserver(log),)), log
 
 
 @pytest.mark.parametrize("strategy", list(Strategy))
@@ -62,7 +63,9 @@ def test_a_record_holds_the_chain_and_lengths_but_no_text_and_no_salt(tmp_path, 
 
 def test_the_log_rotates_and_never_holds_more_than_its_bound(tmp_path):
     log = TrafficLog(tmp_path / "traffic.log", max_bytes=64 * 1024, files=3)
-    router = Router(RouterConfig(hosts=HOSTS), random.Random(1), traffic_log=log)
+    router = Router(
+        RouterConfig(hosts=HOSTS), random.Random(1), observers=(TrafficLogObserver(log),)
+    )
     for number in range(600):  # about 600 kB of records
         body = chat(f"document {number} " + "text of the document " * 200)
         router.finish(router.route({}, body))

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from extproc import cli
+from extproc.adapter.observers import TrafficLogObserver
 from extproc.adapter.routing import Router
 from extproc.adapter.traffic_log import TrafficLog
 from extproc.config import RouterConfig
@@ -20,7 +21,9 @@ def log(tmp_path):  # type: ignore[no-untyped-def]
     path = tmp_path / "traffic.log"
     traffic = TrafficLog(path, 1 << 20, 2)
     router = Router(
-        RouterConfig(hosts=HOSTS, routing_strategy="RANDOM"), random.Random(1), traffic_log=traffic
+        RouterConfig(hosts=HOSTS, routing_strategy="RANDOM"),
+        random.Random(1),
+        observers=(TrafficLogObserver(traffic),),
     )
     for n in range(40):
         body = {"model": "m", "messages": [{"role": "user", "content": f"doc {n % 4} " * 300}]}

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from extproc.adapter.observers import TrafficLogObserver
 from extproc.adapter.routing import Router
 from extproc.adapter.traffic_log import TrafficLog
 from extproc.bench.workloads import BenchRequest
@@ -30,7 +31,7 @@ def record_log(
     now = [0.0]
     log._clock = lambda: START + now[0]
     config = RouterConfig(hosts=addresses(instances), **{"routing_strategy": "RANDOM", **settings})
-    router = Router(config, random.Random(1), traffic_log=log)
+    router = Router(config, random.Random(1), observers=(TrafficLogObserver(log),))
     for request in requests:
         now[0] = request.at_s
         headers = {k.lower(): v for k, v in request.headers.items()}
