@@ -11,7 +11,6 @@ import sys
 import pytest
 
 from extproc.adapter.routing import Router
-from extproc.adapter.traffic_log import TrafficLog
 from extproc.cli import COMMAND_MODULES
 from extproc.cli.common import HARNESS_COMMANDS, HARNESS_MODULES
 from extproc.config import RouterConfig
@@ -97,14 +96,14 @@ def test_bench_names_the_missing_harness_in_one_line(argv):
 def test_replay_writes_its_report_without_the_harness(tmp_path):
     # `replay --out` renders through extproc/reporting.py, which the image holds.
     log = tmp_path / "traffic.log"
-    traffic = TrafficLog(log, 1 << 20, 2)
     router = Router(
-        RouterConfig(hosts=HOSTS, routing_strategy="RANDOM"), random.Random(1), traffic_log=traffic
+        RouterConfig(hosts=HOSTS, routing_strategy="RANDOM", traffic_log=str(log)),
+        random.Random(1),
     )
     for n in range(12):
         body = {"model": "m", "messages": [{"role": "user", "content": f"doc {n % 3} " * 300}]}
         router.finish(router.route({}, json.dumps(body).encode()))
-    traffic.close()
+    router.close()  # stops the traffic log's writer: the log is whole
     out_dir = tmp_path / "out"
     code, out, err = run_without_the_harness(
         "replay",
