@@ -453,6 +453,35 @@ def _soak_row(runs: Runs) -> Row | None:
     )
 
 
+def _cpu_per_request_rows(runs: Runs) -> list[Row]:
+    """Each stored saturation ladder's CPU per request at one worker's capacity: what a
+    deployment sizes cores by, at that body size (reported; no target)."""
+    from extproc.bench.reliability_report import cpu_per_request_us
+
+    found = []
+    for name in sorted(n for n in runs if n.startswith("reliability-saturation")):
+        run = runs[name]
+        rate = run.get("capacity", {}).get("1 worker")
+        step = next(
+            (s for s in run["steps"] if s["path"] == "1 worker" and s["rate"] == rate), None
+        )
+        if step is None or "sim_capacity_blocks" not in run["options"]:
+            continue  # a ladder from before the simulators' caches were sized to hold it
+        found.append(
+            Row(
+                f"router CPU per request at one worker's capacity, "
+                f"{run['options']['body_bytes']:,}-byte chat bodies",
+                "reported",
+                f"{cpu_per_request_us(step):,.0f} µs at {rate} req/s "
+                f"({step['router_cpu']:.2f} of a core)",
+                "",
+                None,
+                ("reliability",),
+            )
+        )
+    return found
+
+
 def _concurrency_row(runs: Runs, name: str, measure: str) -> Row | None:
     """A concurrency ladder's row: the highest level held, against 3,000."""
     run = runs.get(name)
@@ -646,6 +675,7 @@ def rows(runs: Runs) -> list[Row]:
     found.append(_overhead_row(runs))
     found += _overhead_floor_rows(runs)
     found.append(_soak_row(runs))
+    found.extend(_cpu_per_request_rows(runs))
     found.append(
         _concurrency_row(
             runs,

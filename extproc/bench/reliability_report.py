@@ -46,9 +46,18 @@ def _load(out_dir: Path, name: str) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def render_text(soak: dict[str, Any] | None, saturation: dict[str, Any] | None) -> str:
-    """The page, from the stored runs alone."""
-    envoy = next((d["environment"]["envoy"] for d in (soak, saturation) if d), "")
+# The saturation ladder's main body size; a run at another size is stored and rendered
+# beside it (reliability-saturation-32768.json, its own section and plot).
+MAIN_BODY_BYTES = 8192
+
+
+def saturation_name(body_bytes: int) -> str:
+    return "saturation" if body_bytes == MAIN_BODY_BYTES else f"saturation-{body_bytes}"
+
+
+def render_text(soak: dict[str, Any] | None, *saturations: dict[str, Any] | None) -> str:
+    """The page, from the stored runs alone: the soak, then each saturation ladder."""
+    envoy = next((d["environment"]["envoy"] for d in (soak, *saturations) if d), "")
     version = envoy.split("/")[1] if envoy.count("/") >= 1 else envoy
     sections = ["# Reliability: soak and saturation\n"]
     sections.append(
@@ -59,20 +68,32 @@ def render_text(soak: dict[str, Any] | None, saturation: dict[str, Any] | None) 
     )
     if soak is not None:
         sections.append(_soak_section(soak))
-    if saturation is not None:
-        sections.append(_saturation_section(saturation))
+    for saturation in saturations:
+        if saturation is not None:
+            sections.append(_saturation_section(saturation))
     return "\n".join(sections)
+
+
+def _saturations(out_dir: Path) -> list[dict[str, Any]]:
+    """The main ladder first, then the other body sizes, smallest first."""
+    runs = [json.loads(path.read_text()) for path in out_dir.glob("reliability-saturation*.json")]
+    return sorted(runs, key=lambda run: (_body_bytes(run) != MAIN_BODY_BYTES, _body_bytes(run)))
+
+
+def _body_bytes(run: dict[str, Any]) -> int:
+    return int(run["options"]["body_bytes"])
 
 
 def render(out_dir: Path) -> Path:
     """Render the page and its plots from the stored runs in ``out_dir``."""
-    soak, saturation = _load(out_dir, "soak"), _load(out_dir, "saturation")
+    soak, saturations = _load(out_dir, "soak"), _saturations(out_dir)
     path = out_dir / PAGE
-    path.write_text(render_text(soak, saturation))
+    path.write_text(render_text(soak, *saturations))
     if soak is not None:
         _plot_soak(soak, out_dir / "reliability-soak.png")
-    if saturation is not None:
-        _plot_saturation(saturation, out_dir / "reliability-saturation.png")
+    for saturation in saturations:
+        name = saturation_name(_body_bytes(saturation))
+        _plot_saturation(saturation, out_dir / f"reliability-{name}.png")
     return path
 
 
@@ -273,6 +294,7 @@ def _saturation_section(data: dict[str, Any]) -> str:
             if profile.get("flamegraph")
             else ""
         )
+        raw = profile.get("raw", "reliability-profile.txt")
         profile_text = (
             f"py-spy (`--native`, so gRPC's Cython and C frames show) sampled the single "
             f"router at 100 Hz for {profile['seconds']:g} s while wrk drove it at "
@@ -282,7 +304,7 @@ def _saturation_section(data: dict[str, Any]) -> str:
             "has its own row; stacks with no Python frame at all are gRPC core's threads. "
             "Sampling native stacks pauses the process, so the latency during the profile "
             "says nothing about the router's. "
-            "Raw stacks: [reliability-profile.txt](reliability-profile.txt).\n\n"
+            f"Raw stacks: [{raw}]({raw}).\n\n"
             f"{frames}{flame}"
         )
     else:
@@ -327,7 +349,18 @@ def _saturation_section(data: dict[str, Any]) -> str:
         ["router", f"max rate at p99 ≤ +{budget:g} ms (req/s)", "capacity (req/s)"],
         max_rows,
     )
-    return f"""## Saturation: the highest rate at p99 ≤ {budget:g} ms above plain Envoy
+    body_bytes = _body_bytes(data)
+    name = saturation_name(body_bytes)
+    size = "" if body_bytes == MAIN_BODY_BYTES else f" ({body_bytes:,}-byte bodies)"
+    sim_cache = (
+        f" Each simulator's KV cache holds {options['sim_capacity_blocks']:,} blocks, every "
+        "prompt of the rotation, so a steady cache stores nothing new and the routers' CPU is "
+        "the requests', not KV events from a churning cache (the cost per stored block is in "
+        "[kv-events.md](kv-events.md))."
+        if "sim_capacity_blocks" in options
+        else ""
+    )
+    return f"""## Saturation{size}: the highest rate at p99 ≤ {budget:g} ms above plain Envoy
 
 {max_table}
 
@@ -352,11 +385,11 @@ request" divides it by the requests achieved: what a deployment sizes cores by, 
 body size. It falls as the rate rises: part of the CPU is paid whatever the rate, so the
 notes above fit a line (least squares over the rates a configuration served on schedule)
 that splits it into a part per second and a part per request. Client, Envoy,
-routers and backends share this machine's cores (see the machine line below).
+routers and backends share this machine's cores (see the machine line below).{sim_cache}
 
 {steps_table}
 
-![p99 against arrival rate](reliability-saturation.png)
+![p99 against arrival rate](reliability-{name}.png)
 
 In flight at the end: {", ".join(f"{k} {v:g}" for k, v in data["in_flight_end"].items())}.
 

@@ -32,8 +32,9 @@ from typing import Any
 
 import structlog
 
-from extproc.bench import lua, probes, report, wrk
+from extproc.bench import lua, probes, reliability_report, report, wrk
 from extproc.bench.overhead import chat_bodies
+from extproc.sim.options import DEFAULT_CAPACITY_BLOCKS, SimOptions
 from extproc.stack.local import LocalStack, StackSpec, start_envoy, start_router
 from extproc.stack.processes import ManagedProcess, free_port_run, free_ports, wait_until
 
@@ -44,6 +45,9 @@ CONFIGS = ("1 worker", "2 workers")
 WORKERS = {"1 worker": 1, "2 workers": 2}
 PATHS = (BASELINE, *CONFIGS)
 PY_SPY_MISSING = "py-spy is not installed (pip install py-spy)"
+# The simulator's blocks at its defaults (16 tokens of 4 characters), and its default cache.
+SIM_BLOCK_CHARS = SimOptions.block_size_tokens * SimOptions.chars_per_token
+DEFAULT_SIM_BLOCKS = DEFAULT_CAPACITY_BLOCKS["fixed"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,7 @@ class SaturationOptions:
     duration_s: float = 4.0
     rounds: int = 3
     connections: int = 64
-    body_bytes: int = 8192
+    body_bytes: int = reliability_report.MAIN_BODY_BYTES
     distinct_prompts: int = 16
     backends: int = 3
     added_p99_budget_ms: float = 5.0
@@ -80,6 +84,17 @@ class SaturationResult:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def sim_capacity_blocks(options: SaturationOptions) -> int:
+    """Each simulator's KV cache holds every prompt of the rotation, with a quarter to
+    spare: plain Envoy sends every prompt to every instance, and a cache smaller than that
+    would evict and store blocks on every request, so the routers would be charged for
+    ingesting a churning cache's KV events (at 32 KiB, up to a core)
+    rather than for deciding. A steady fleet's cache stores nothing new for a prompt it
+    holds; the cost per stored block is measured apart (docs/benchmarks/kv-events.md)."""
+    per_prompt = -(-options.body_bytes // SIM_BLOCK_CHARS)
+    return max(DEFAULT_SIM_BLOCKS, math.ceil(1.25 * options.distinct_prompts * per_prompt))
 
 
 def _process_tree(pid: int) -> list[int]:
@@ -197,12 +212,20 @@ def find_py_spy() -> str | None:
     return py_spy if Path(py_spy).exists() else None
 
 
+def _artifact(options: SaturationOptions, suffix: str) -> str:
+    """reliability-profile.txt for the main ladder, reliability-saturation-32768-profile.txt
+    for another body size, so one run never overwrites the other's."""
+    if options.body_bytes == reliability_report.MAIN_BODY_BYTES:
+        return f"reliability-{suffix}"
+    return f"reliability-{reliability_report.saturation_name(options.body_bytes)}-{suffix}"
+
+
 def _profile(options: SaturationOptions, pid: int, url: str, script: Path) -> dict[str, Any]:
     py_spy = find_py_spy()
     if py_spy is None:
         return {"skipped": PY_SPY_MISSING}
-    raw = options.out_dir / "reliability-profile.txt"
-    svg = options.out_dir / "reliability-flamegraph.svg"
+    raw = options.out_dir / _artifact(options, "profile.txt")
+    svg = options.out_dir / _artifact(options, "flamegraph.svg")
     seconds = str(max(1, round(options.profile_s)))
     common = ["record", "--pid", str(pid), "--duration", seconds, "--rate", "100", "--function"]
     # The table needs native frames (gRPC's work is in Cython and C); the flamegraph
@@ -234,6 +257,7 @@ def _profile(options: SaturationOptions, pid: int, url: str, script: Path) -> di
         "p99_ms": load.p99_ms,
         "seconds": options.profile_s,
         "flamegraph": svg.name if svg.exists() else None,
+        "raw": raw.name,
         **frames,
     }
 
@@ -242,12 +266,16 @@ def measure(options: SaturationOptions) -> SaturationResult:
     result = SaturationResult(
         options={k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()}
     )
+    result.options["sim_capacity_blocks"] = sim_capacity_blocks(options)
     options.out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-saturation-") as tmp:
         work = Path(tmp)
         spec = StackSpec.ephemeral(
             options.backends,
-            sim_args=("--ttft-ms", "0", "--itl-ms", "0"),
+            sim_args=(
+                *("--ttft-ms", "0", "--itl-ms", "0"),
+                *("--capacity-blocks", str(sim_capacity_blocks(options))),
+            ),
             upstream_host_header=False,
             work_dir=work / "stack",
         )
@@ -385,9 +413,8 @@ def _ladder(
 
 
 def run(options: SaturationOptions) -> SaturationResult:
-    from extproc.bench import reliability_report
-
     env = reliability_report.environment()
     result = measure(options)
-    reliability_report.save(options.out_dir, "saturation", result.to_json(), env)
+    name = reliability_report.saturation_name(options.body_bytes)
+    reliability_report.save(options.out_dir, name, result.to_json(), env)
     return result

@@ -4,10 +4,11 @@ import json
 import math
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
-from extproc.bench import lua, probes, saturation, soak, stream_leak
+from extproc.bench import lua, probes, reliability_report, saturation, soak, stream_leak
 from extproc.bench.saturation import PY_SPY_MISSING, SaturationOptions, find_py_spy, top_frames
 from extproc.bench.soak import SoakOptions
 
@@ -127,3 +128,35 @@ def test_stream_leak_probe_measures_both_endings():
         assert math.isfinite(per_stream)
         assert round(per_stream * 200) % 1024 == 0, per_stream
         assert -4096 < per_stream < 64 * 1024, per_stream
+
+
+def test_a_ladder_at_another_body_size_is_stored_and_rendered_beside_the_main_one(tmp_path):
+    stored = Path("docs/benchmarks/reliability-saturation.json")
+    main = json.loads(stored.read_text())
+    large = json.loads(stored.read_text())
+    large["options"] |= {"body_bytes": 32768, "sim_capacity_blocks": 10240}
+    large["profile"] = {"skipped": "profile_s was 0"}
+    assert reliability_report.saturation_name(8192) == "saturation"
+    assert reliability_report.saturation_name(32768) == "saturation-32768"
+    # Written in either order, the page holds the main ladder first, then the other size.
+    (tmp_path / "reliability-saturation-32768.json").write_text(json.dumps(large))
+    (tmp_path / "reliability-saturation.json").write_text(json.dumps(main))
+    page = reliability_report.render(tmp_path).read_text()
+    first = page.index("## Saturation: ")
+    second = page.index("## Saturation (32,768-byte bodies): ")
+    assert first < second
+    assert "(reliability-saturation-32768.png)" in page[second:]
+    assert "holds 10,240 blocks, every prompt of the rotation" in page[second:]
+    assert "holds 10,240 blocks" not in page[:second]  # the main run predates the sizing
+    for plot in ("reliability-saturation.png", "reliability-saturation-32768.png"):
+        assert (tmp_path / plot).stat().st_size > 10_000
+
+
+def test_the_simulators_cache_holds_every_prompt_of_the_rotation():
+    # 16 prompts of 32 KiB: 512 blocks of 64 characters each, with a quarter to spare; the
+    # default 4,096 blocks is the floor (8 KiB prompts fit it).
+    large = SaturationOptions(body_bytes=32768)
+    assert saturation.sim_capacity_blocks(large) == 10_240
+    assert saturation.sim_capacity_blocks(SaturationOptions()) == 4096
+    assert saturation._artifact(large, "profile.txt") == "reliability-saturation-32768-profile.txt"
+    assert saturation._artifact(SaturationOptions(), "profile.txt") == "reliability-profile.txt"
