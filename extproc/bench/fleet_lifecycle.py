@@ -11,9 +11,8 @@ from pathlib import Path
 import httpx
 
 from extproc.bench.fleet_options import FleetBenchOptions, simulator_args, stack_router_settings
-from extproc.bench.fleet_paths import BODY_MODES, REPLICAS, SESSION_HEADER
+from extproc.bench.fleet_paths import ENVOY_CHANGES, REPLICAS, SESSION_HEADER
 from extproc.control.loadfeed import parse_vllm_metrics
-from extproc.stack.bootstrap import BodyMode
 from extproc.stack.local import LocalStack, StackSpec
 from extproc.stack.processes import ManagedProcess, free_port, http_ok, wait_until
 
@@ -45,7 +44,8 @@ class Fleet:
         self.ring_hash_url: str | None = None
         self.ring_hash_admin_url: str | None = None
         # (URL, admin URL) of the Envoy in front of the routers for each other body mode.
-        self.body_mode_urls: dict[str, tuple[str, str]] = {}
+        # The Envoys of paths with bootstrap changes of their own: URL and admin URL.
+        self.path_envoys: dict[str, tuple[str, str]] = {}
         self._extra: list[ManagedProcess] = []
 
     def adopt(self, process: ManagedProcess) -> ManagedProcess:
@@ -66,8 +66,9 @@ class Fleet:
         )
         self.stack = LocalStack(spec).start()
         self._start_ring_hash(self.stack)
-        for mode in sorted({BODY_MODES[p] for p in self.options.paths if p in BODY_MODES}):
-            self._start_body_mode_envoy(self.stack, mode)
+        for path in self.options.paths:
+            if path in ENVOY_CHANGES:
+                self._start_path_envoy(self.stack, path)
 
     def _start_simulators(self) -> None:
         argv = [sys.executable, "-m", "extproc", "sim", *simulator_args(self.options)]
@@ -92,18 +93,19 @@ class Fleet:
         self.ring_hash_url = url
         self.ring_hash_admin_url = admin_url
 
-    def _start_body_mode_envoy(self, stack: LocalStack, body_mode: BodyMode) -> None:
-        """The stack's Envoy again, in front of the same routers and EDS, in ``body_mode``."""
+    def _start_path_envoy(self, stack: LocalStack, path: str) -> None:
+        """The stack's Envoy again, in front of the same routers and EDS, with ``path``'s
+        changes to its bootstrap."""
         envoy, url, admin_url = stack.start_envoy_beside(
-            f"envoy-{body_mode}", self.work / "stack", body_mode=body_mode
+            f"envoy-{path}", self.work / "stack", **ENVOY_CHANGES[path]
         )
         self.adopt(envoy)
         wait_until(
             lambda: stack.envoy_hosts(admin_url=admin_url) == set(self.addresses),
             30,
-            f"the fleet in the {body_mode} Envoy",
+            f"the fleet in the Envoy of {path}",
         )
-        self.body_mode_urls[body_mode] = (url, admin_url)
+        self.path_envoys[path] = (url, admin_url)
 
     def set_time_scale(self, value: float) -> None:
         """Every simulator's time_scale, changed at run time (sim-only endpoint)."""

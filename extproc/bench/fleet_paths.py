@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from extproc.bench.probes import wait_for_precise
-from extproc.stack.bootstrap import BodyMode
+from extproc.stack.bootstrap import BootstrapParams, logs_completions
 from extproc.stack.processes import ManagedProcess, free_ports, wait_until
 
 if TYPE_CHECKING:
@@ -42,6 +43,11 @@ REPLICA_PATHS = (
 # The default behind an Envoy that streams the body: one answer, a stream that ends with
 # the decision, and in-flight counts from Envoy's access log. The hot spot compares it.
 STREAMED = "PREFIX_AWARE-streamed"
+# The default but for stream_end: decision (buffered bodies): each ext_proc stream ends with
+# the decision, and the router learns that a request is done from Envoy's access log
+# (``completion_log``), or, without the log, from the load feed's estimate alone.
+STREAM_END_DECISION = "PREFIX_AWARE-stream-end-decision"
+STREAM_END_DECISION_NO_LOG = "PREFIX_AWARE-stream-end-decision-no-log"
 OUR_PATHS: dict[str, dict[str, Any]] = {
     **{strategy: {"routing_strategy": strategy} for strategy in OUR_STRATEGIES},
     FIXED: {"routing_strategy": "PREFIX_AWARE", "prefix_match": "fixed"},
@@ -51,6 +57,8 @@ OUR_PATHS: dict[str, dict[str, Any]] = {
     TWO_REPLICAS_APPROXIMATE: {"routing_strategy": "PREFIX_AWARE", "kv_events": False},
     FOUR_REPLICAS_APPROXIMATE: {"routing_strategy": "PREFIX_AWARE", "kv_events": False},
     STREAMED: {"routing_strategy": "PREFIX_AWARE"},
+    STREAM_END_DECISION: {"routing_strategy": "PREFIX_AWARE", "stream_end": "decision"},
+    STREAM_END_DECISION_NO_LOG: {"routing_strategy": "PREFIX_AWARE", "stream_end": "decision"},
     NO_OVERFLOW: {
         "routing_strategy": "PREFIX_AWARE",
         "concurrency_threshold": 1024,
@@ -63,8 +71,12 @@ REPLICAS = {
     TWO_REPLICAS_APPROXIMATE: 2,
     FOUR_REPLICAS_APPROXIMATE: 4,
 }
-# Paths behind their own Envoy, with this body mode (the rest: the stack's, buffered).
-BODY_MODES: dict[str, BodyMode] = {STREAMED: "streamed"}
+# Paths behind an Envoy of their own: the stack's bootstrap with these changes (the rest
+# run behind the stack's Envoy: buffered-partial bodies, no completion log).
+ENVOY_CHANGES: dict[str, dict[str, Any]] = {
+    STREAMED: {"body_mode": "streamed"},
+    STREAM_END_DECISION: {"completion_log": True},
+}
 RING_HASH = "envoy-ring-hash"
 PEERS = {
     "vllm-router-cache-aware": ("vllm-router", "cache_aware"),
@@ -74,6 +86,12 @@ PEERS = {
 SESSION_HEADER = "x-session-id"
 
 
+def envoy_changes(path: str) -> BootstrapParams:
+    """The bootstrap settings of ``path``'s Envoy that its own changes decide (the rest are
+    the stack's, which these defaults stand for)."""
+    return replace(BootstrapParams(), **ENVOY_CHANGES.get(path, {}))
+
+
 def our_paths_document(paths: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """Each of our paths in ``paths``: the router settings it runs with, its replicas and
     the body mode of the Envoy in front of it."""
@@ -81,7 +99,8 @@ def our_paths_document(paths: tuple[str, ...]) -> dict[str, dict[str, Any]]:
         path: {
             "settings": dict(OUR_PATHS[path]),
             "replicas": REPLICAS.get(path, 1),
-            "body_mode": BODY_MODES.get(path, "buffered-partial"),
+            "body_mode": envoy_changes(path).body_mode,
+            "completion_log": logs_completions(envoy_changes(path)),
         }
         for path in paths
         if path in OUR_PATHS
@@ -129,9 +148,10 @@ def path_url(fleet: Fleet, path: str) -> str | None:
         stack.restart_routers(replicas)
         if OUR_PATHS[path].get("kv_events", True):
             wait_for_precise(stack, replicas, len(fleet.addresses))
-        if path in BODY_MODES:
-            url, admin_url = fleet.body_mode_urls[BODY_MODES[path]]
-            stack.open_completion_logs(url=url, admin_url=admin_url)
+        if path in ENVOY_CHANGES:
+            url, admin_url = fleet.path_envoys[path]
+            if logs_completions(envoy_changes(path)):
+                stack.open_completion_logs(url=url, admin_url=admin_url)
             return url
         return stack.url
     if path == RING_HASH:

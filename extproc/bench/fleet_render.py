@@ -405,6 +405,9 @@ def _our_paths_lines(our_paths: dict[str, Any]) -> str:
         # Runs stored before body modes were recorded all ran buffered-partial.
         body_mode = spec.get("body_mode", "buffered-partial")
         mode = f", Envoy body mode {body_mode}" if body_mode != "buffered-partial" else ""
+        # Streamed bodies always come with the log; say so where it was a choice.
+        logged = spec.get("completion_log") and body_mode == "buffered-partial"
+        mode += ", Envoy reports completions to the router (`completion_log`)" if logged else ""
         lines.append(f"  - `{path}`: {settings}{replicas}{mode}")
     return "\n".join(lines)
 

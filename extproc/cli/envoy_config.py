@@ -45,6 +45,13 @@ def register(commands: Commands) -> None:
         "(two round trips); streamed: Envoy sends the body without waiting and the "
         "router's one answer carries the decision (default buffered-partial)",
     )
+    parser.add_argument(
+        "--completion-log",
+        action="store_true",
+        help="report each request's completion to the routers (a gRPC access log to each): "
+        "on with --body-mode streamed; give it for routers set to stream_end: decision, "
+        "whose streams end before the response does",
+    )
     parser.add_argument("--listen", type=ip_port, default=BootstrapParams.listen)
     parser.add_argument("--admin", type=ip_port, default=BootstrapParams.admin)
     parser.add_argument(
@@ -290,6 +297,7 @@ def run(args: argparse.Namespace) -> int:
         buffer_limit_bytes=args.buffer_limit_bytes,
         backend_idle_timeout_s=args.backend_idle_timeout_s,
         body_mode=args.body_mode,
+        completion_log=args.completion_log,
         router_tls=_tls(args, "router"),
         xds_tls=_tls(args, "xds"),
     )

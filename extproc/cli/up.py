@@ -151,7 +151,7 @@ def inapplicable(args: argparse.Namespace) -> str | None:
 def stack_spec(args: argparse.Namespace) -> StackSpec:
     """The stack the flags describe; the routing settings are validated here, so a bad
     value fails before anything starts."""
-    from extproc.config import load_config
+    from extproc.config import StreamEnd, load_config
     from extproc.stack.local import StackSpec, simulated_backends
 
     overrides = {k: v for k, v in routing_overrides(args).items() if v is not None}
@@ -178,6 +178,8 @@ def stack_spec(args: argparse.Namespace) -> StackSpec:
         router_settings=overrides,
         upstream_host_header=not args.no_upstream_host_header,
         body_mode=args.body_mode,
+        # Routers whose streams end at the decision learn of completions from Envoy's log.
+        envoy_settings={"completion_log": config.stream_end is StreamEnd.DECISION},
         router_workers=config.workers,
         sim_args=("--ttft-ms", str(sim["sim_ttft_ms"]), "--itl-ms", str(sim["sim_itl_ms"])),
         work_dir=args.work_dir,

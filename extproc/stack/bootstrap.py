@@ -68,6 +68,11 @@ class BootstrapParams:
     # and an 80 MiB message took 0.4 to 0.5 s on 2 cores (some timed out and failed open).
     buffer_limit_bytes: int = 40 * 1024 * 1024
     body_mode: BodyMode = "buffered-partial"
+    # A gRPC access log to each router that reports every request's completion. Routers
+    # whose ext_proc streams end at the decision learn there that a request is done:
+    # always with streamed bodies, and with buffered-partial ones for routers set to
+    # stream_end: decision (without it their load is the load feed's estimate).
+    completion_log: bool = False
     message_timeout_ms: int = 500
     # x-upstream-host on every response names the backend that served it: for demos and
     # tests (`prefix-router up` and the test stacks turn it on), never in the shipped
@@ -336,6 +341,10 @@ def _ext_proc_filter(params: BootstrapParams) -> dict[str, Any]:
     return {"name": "envoy.filters.http.ext_proc", "typed_config": config}
 
 
+def logs_completions(params: BootstrapParams) -> bool:
+    return params.ext_proc and (params.body_mode == "streamed" or params.completion_log)
+
+
 def _completion_log_cluster(
     index: int, router: RouterEndpoint, params: BootstrapParams
 ) -> dict[str, Any]:
@@ -460,11 +469,7 @@ def build_bootstrap(params: BootstrapParams) -> dict[str, Any]:
             else {}
         ),
         "route_config": _route_config(params),
-        **(
-            {"access_log": _completion_logs(params)}
-            if params.ext_proc and params.body_mode == "streamed"
-            else {}
-        ),
+        **({"access_log": _completion_logs(params)} if logs_completions(params) else {}),
         "http_filters": [
             _strip_client_routing_headers(params),
             *([_ext_proc_filter(params)] if params.ext_proc else []),
@@ -475,7 +480,7 @@ def build_bootstrap(params: BootstrapParams) -> dict[str, Any]:
         ],
     }
     clusters = [backend, _router_cluster(params)]
-    if params.ext_proc and params.body_mode == "streamed":
+    if logs_completions(params):
         clusters += [_completion_log_cluster(i, r, params) for i, r in enumerate(params.routers)]
     bootstrap: dict[str, Any] = {
         "node": {"id": "envoy", "cluster": "prefix-router-ingress"},

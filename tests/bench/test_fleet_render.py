@@ -274,6 +274,25 @@ def test_streamed_section_compares_the_body_modes_from_the_document():
     assert (
         "`PREFIX_AWARE-streamed`: `routing_strategy` PREFIX_AWARE, Envoy body mode streamed" in text
     )
+    # A path whose Envoy logs completions with buffered bodies says so; streamed ones always
+    # log, and say their body mode only.
+    logged, unlogged = "PREFIX_AWARE-stream-end-decision", "PREFIX_AWARE-stream-end-decision-no-log"
+    document = _document(
+        [_result(logged, [50] * 4, 0.9), _result(unlogged, [50] * 4, 0.9)], workload="hot-spot"
+    )
+    assert document["our_paths"][logged]["completion_log"] is True
+    assert document["our_paths"][unlogged]["completion_log"] is False
+    text = fleet_render.render_report(document)
+    assert (
+        "`PREFIX_AWARE-stream-end-decision`: `routing_strategy` PREFIX_AWARE, `stream_end` "
+        "decision, Envoy reports completions to the router (`completion_log`)" in text
+    )
+    assert (
+        "`PREFIX_AWARE-stream-end-decision-no-log`: `routing_strategy` PREFIX_AWARE, "
+        "`stream_end` decision\n" in text
+    )
+    streamed = fleet.our_paths_document(("PREFIX_AWARE-streamed",))["PREFIX_AWARE-streamed"]
+    assert streamed["completion_log"] is True
     # Without the streamed path, no section.
     document = _document([_result("PREFIX_AWARE", [50] * 4, 0.9)], workload="hot-spot")
     assert "## Streamed bodies" not in fleet_render.render_report(document)
@@ -404,6 +423,7 @@ def test_write_report_stores_the_run_then_renders_what_it_stored(tmp_path):
         "settings": {"routing_strategy": "PREFIX_AWARE"},
         "replicas": 1,
         "body_mode": "buffered-partial",
+        "completion_log": False,
     }
     assert [path_result(r) for r in document["results"]] == results
     assert path.read_text() == fleet_render.render_report(document)

@@ -350,3 +350,18 @@ def test_every_command_is_listed_whichever_runs(capsys):
     listed = run("--help").stdout
     for command, help_text in COMMAND_HELP.items():
         assert command in listed and help_text.split()[0] in listed
+
+
+def test_routers_that_end_streams_at_the_decision_get_envoys_completion_log(tmp_path, capsys):
+    # up: the stack's Envoy logs completions to the routers when they end streams early.
+    for flags, logged in ((["up"], False), (["up", "--stream-end", "decision"], True)):
+        spec = stack_spec(parse_args(flags))
+        stack = LocalStack(dataclasses.replace(spec, work_dir=tmp_path))
+        assert stack.bootstrap_params().completion_log is logged
+    # envoy-config: asked for with --completion-log, one log per router.
+    flags = ("--router", "127.0.0.1:9290", "--router", "127.0.0.1:9291")
+    manager = bootstrap(capsys, *flags, "--completion-log")["static_resources"]["listeners"][0]
+    logs = manager["filter_chains"][0]["filters"][0]["typed_config"]["access_log"]
+    assert len(logs) == 2
+    manager = bootstrap(capsys, *flags)["static_resources"]["listeners"][0]
+    assert "access_log" not in manager["filter_chains"][0]["filters"][0]["typed_config"]

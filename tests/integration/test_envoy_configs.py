@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc.stack.bootstrap import BODY_MODES, MODES, BootstrapParams, build_bootstrap, render
+from extproc.stack.bootstrap import (
+    BODY_MODES,
+    COMPLETIONS_CLUSTER,
+    MODES,
+    BootstrapParams,
+    build_bootstrap,
+    render,
+)
 from extproc.stack.local import envoy_binary
 
 ENVOY_DIR = Path(__file__).resolve().parents[2] / "envoy"
@@ -83,10 +90,27 @@ def test_streamed_bodies_log_completions_to_each_router_process():
     assert addresses == list(routers)
     # Each entry at once: a batch would count finished requests in flight for a flush.
     assert all(log["typed_config"]["common_config"]["buffer_size_bytes"] == 0 for log in logs)
-    # BUFFERED_PARTIAL streams last as long as their requests: no log needed.
+    # BUFFERED_PARTIAL streams last as long as their requests: no log needed, unless the
+    # routers end them at the decision (stream_end: decision), where it is asked for.
     buffered = build_bootstrap(BootstrapParams(routers=routers))
     manager = buffered["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     assert "access_log" not in manager["typed_config"]
+    assert not any(c["name"].startswith(COMPLETIONS_CLUSTER) for c in _clusters(buffered))
+    logged = build_bootstrap(BootstrapParams(routers=routers, completion_log=True))
+    manager = logged["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    assert len(manager["typed_config"]["access_log"]) == len(routers)
+    assert [c["name"] for c in _clusters(logged) if c["name"].startswith(COMPLETIONS_CLUSTER)] == [
+        f"{COMPLETIONS_CLUSTER}_0",
+        f"{COMPLETIONS_CLUSTER}_1",
+    ]
+    # Without ext_proc there is no router to tell.
+    bare = build_bootstrap(BootstrapParams(routers=routers, completion_log=True, ext_proc=False))
+    manager = bare["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    assert "access_log" not in manager["typed_config"]
+
+
+def _clusters(bootstrap: dict) -> list[dict]:
+    return bootstrap["static_resources"]["clusters"]
 
 
 def test_routers_on_unix_sockets_and_forwarded_headers_validate_in_envoy(tmp_path):
