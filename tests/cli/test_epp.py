@@ -10,6 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.cli import build_parser
 from extproc.cli.epp import go_bool, overrides_of
+from extproc.config import load_config
 from extproc.stack.processes import ManagedProcess, free_ports, wait_until
 
 CHART_ARGS = [
@@ -48,6 +49,22 @@ def test_workers_default_to_one_and_always_share_the_grpc_and_health_ports():
     assert default["workers_share_listen"] is True
     overrides = overrides_of(build_parser().parse_args(["epp", "--workers", "4"]), None)
     assert overrides["workers"] == 4 and overrides["workers_share_listen"] is True
+
+
+def test_the_config_files_decision_exchange_reaches_a_lone_picker(tmp_path):
+    # Replicas of the picker (separate processes, not one supervisor's workers) share
+    # decisions as routers do: the flags leave the file's exchange settings alone, and
+    # serve() starts the exchange from them (tests/integration/test_epp_replicas.py).
+    config = tmp_path / "epp.yaml"
+    config.write_text(
+        "decision_exchange_bind: tcp://127.0.0.1:7001\n"
+        "decision_exchange_peers: [tcp://127.0.0.1:7002]\n"
+    )
+    args = build_parser().parse_args(["epp", "--config", str(config)])
+    loaded = load_config(args.config, overrides=overrides_of(args, None))
+    assert loaded.epp is True and loaded.workers == 1
+    assert loaded.decision_exchange_bind == "tcp://127.0.0.1:7001"
+    assert loaded.decision_exchange_peers == ("tcp://127.0.0.1:7002",)
 
 
 @pytest.mark.parametrize(("text", "value"), [("true", True), ("False", False), ("1", True)])
