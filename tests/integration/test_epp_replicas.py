@@ -20,7 +20,6 @@ both outcomes are deterministic.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -42,6 +41,7 @@ from extproc.stack.processes import ManagedProcess, free_ports
 from ..extproc_messages import request_body, request_headers
 from ..prompts import document
 from ..waiting import wait_until
+from .exchange import wait_for_subscribers
 
 HOSTS = ("127.0.0.81:8000", "127.0.0.82:8000", "127.0.0.83:8000")
 POST = {":method": "POST", ":path": "/v1/chat/completions", "content-type": "application/json"}
@@ -124,13 +124,6 @@ class Held:
         self._call.cancel()
 
 
-def subscribers(port: int) -> int:
-    """Established connections accepted on ``port`` (a picker's exchange endpoint)."""
-    argv = ["ss", "-Htn", "state", "established", f"( sport = :{port} )"]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=True)
-    return len(out.stdout.splitlines())
-
-
 def start_replica(
     name: str, tmp_path: Path, exchange: tuple[str, list[str]] | None
 ) -> tuple[ManagedProcess, int, int]:
@@ -186,16 +179,7 @@ def replicas(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Replica
             except AssertionError as error:
                 raise AssertionError(f"{error}\n{replica.process.log_tail(40)}") from None
         if share:
-            # A PUB socket drops what it publishes before a subscriber has joined, and a
-            # SUB socket that found its peer not yet bound retries after a backoff (up to
-            # a second): wait until each picker has accepted its sibling's connection.
-            for endpoint in endpoints:
-                port = int(endpoint.rpartition(":")[2])
-                wait_until(
-                    lambda p=port: subscribers(p) > 0,
-                    30,
-                    what=f"the sibling to subscribe on {endpoint}",
-                )
+            wait_for_subscribers(endpoints)
         pair = Replicas(started[0], started[1], share)
         try:
             yield pair

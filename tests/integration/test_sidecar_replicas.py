@@ -32,6 +32,7 @@ from extproc.stack.processes import ManagedProcess, free_ports
 
 from ..prompts import document
 from ..waiting import wait_until
+from .exchange import wait_for_subscribers
 
 CHAT = "/v1/chat/completions"
 HEADERS = {":method": "POST", ":path": CHAT, "content-type": "application/json"}
@@ -128,6 +129,8 @@ def sidecars(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Sidecar
             config["decision_exchange_peers"] = [e for e in endpoints if e != own]
             path.write_text(yaml.safe_dump(config, sort_keys=False))
     with stack:
+        if share:
+            wait_for_subscribers(endpoints)
         router_b = stack.router_addresses[1][0]
         envoy_b, url_b, _ = stack.start_envoy_beside("envoy-b", tmp_path, routers=(router_b,))
         pair = Sidecars(stack, envoy_b, url_b, share)
