@@ -1,12 +1,16 @@
 """Child processes that die with their parent and stop in order.
 
 ``prefix-router up`` and the integration tests start Envoy, routers and simulators the
-same way, through this module, so the tests exercise what users run.
+same way, through this module, so the tests exercise what users run. Its ``wait_until``
+(and ``wait_until_async``) is the one way they, the benchmarks and the tests wait for a
+condition instead of sleeping a fixed time.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import os
 import random
 import shutil
@@ -15,14 +19,18 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from extproc.errors import RouterError
 
 
 class StackError(RouterError):
     """A process of the local stack failed to start or to become ready."""
+
+
+T = TypeVar("T")
 
 
 def _dying_with_parent(argv: list[str]) -> list[str]:
@@ -103,28 +111,115 @@ class ManagedProcess:
             return ""
 
 
-def wait_until(
-    check: Callable[[], bool],
-    timeout: float,
-    what: str,
-    process: ManagedProcess | None = None,
-) -> None:
-    """Poll ``check`` every 50 ms until it is true; StackError after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+# How often wait_until polls: a condition's time is known to within this much.
+POLL_INTERVAL_S = 0.05
+
+
+class WaitTimeout(StackError, AssertionError):
+    """A condition ``wait_until`` polled did not hold in time. A StackError to the
+    runtime (`prefix-router up` reports it), an AssertionError to a test (a failed
+    expectation)."""
+
+
+class _Wait:
+    """What one wait has seen: its deadline, the last falsy value, the last ignored error.
+
+    The error is kept as text: the exception would hold its traceback, and with it the
+    polling frame (a cycle) and whatever the predicate had open (an HTTP error's socket)."""
+
+    def __init__(self, timeout_s: float, what: str, process: ManagedProcess | None) -> None:
+        self.timeout_s = timeout_s
+        self.what = what
+        self.process = process
+        self.deadline = time.monotonic() + timeout_s
+        self.last: object = None
+        self.error: str | None = None
+
+    def check_process(self) -> None:
+        """StackError at once when the process the condition depends on has exited."""
+        process = self.process
         if process is not None and process.popen is not None and not process.running:
             raise StackError(
                 f"{process.name} exited with {process.popen.returncode} while waiting for "
-                f"{what}:\n{process.log_tail()}"
+                f"{self.what}:\n{process.log_tail()}"
             )
+
+    def expired(self) -> bool:
+        return time.monotonic() >= self.deadline
+
+    def timed_out(self) -> WaitTimeout:
+        message = (
+            f"timed out after {self.timeout_s:g} s waiting for {self.what} "
+            f"(last value: {self.last!r})"
+        )
+        if self.error is not None:
+            message += f"; last error: {self.error}"
+        if self.process is not None:
+            message += f":\n{self.process.log_tail()}"
+        return WaitTimeout(message)
+
+
+def wait_until(
+    predicate: Callable[[], T],
+    timeout_s: float,
+    what: str = "the condition",
+    process: ManagedProcess | None = None,
+    *,
+    interval_s: float = POLL_INTERVAL_S,
+    ignoring: tuple[type[BaseException], ...] = (OSError,),
+) -> T:
+    """Poll ``predicate`` every ``interval_s`` until it returns a truthy value, and return
+    that value: the one way the stack, the benchmarks and the tests wait for something
+    instead of sleeping a fixed time.
+
+    Errors of the types in ``ignoring`` count as "not yet" (by default OSError: a server
+    still starting); any other propagates. After ``timeout_s``, WaitTimeout naming
+    ``what``, the last value and the last ignored error. With ``process``, a StackError
+    with its log's tail as soon as it exits, and its tail in a timeout's message too."""
+    wait = _Wait(timeout_s, what, process)
+    while True:
+        wait.check_process()
         try:
-            if check():
-                return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    tail = f":\n{process.log_tail()}" if process else ""
-    raise StackError(f"timed out after {timeout:g}s waiting for {what}{tail}")
+            value = predicate()
+        except ignoring as caught:
+            wait.error = f"{type(caught).__name__}: {caught}"
+        else:
+            if value:
+                return value
+            wait.last, wait.error = value, None
+        if wait.expired():
+            raise wait.timed_out()
+        time.sleep(interval_s)
+
+
+async def wait_until_async(
+    predicate: Callable[[], T] | Callable[[], Awaitable[T]],
+    timeout_s: float,
+    what: str = "the condition",
+    process: ManagedProcess | None = None,
+    *,
+    interval_s: float = POLL_INTERVAL_S,
+    ignoring: tuple[type[BaseException], ...] = (OSError,),
+) -> T:
+    """``wait_until`` for a caller on an event loop: it sleeps with ``asyncio.sleep``, so
+    the loop's tasks run between polls, and awaits ``predicate``'s result when that is
+    awaitable (a coroutine function's)."""
+    wait = _Wait(timeout_s, what, process)
+    while True:
+        wait.check_process()
+        try:
+            value = predicate()
+            if inspect.isawaitable(value):
+                value = await value
+        except ignoring as caught:
+            wait.error = f"{type(caught).__name__}: {caught}"
+        else:
+            if value:
+                return value
+            wait.last, wait.error = value, None
+        if wait.expired():
+            raise wait.timed_out()
+        await asyncio.sleep(interval_s)
 
 
 def tcp_open(host: str, port: int) -> bool:

@@ -12,9 +12,9 @@ from extproc.adapter import messages, metrics
 from extproc.adapter.routing import Router
 from extproc.adapter.service import SERVICE_NAME, ExternalProcessor
 from extproc.config import RouterConfig
+from extproc.stack.processes import wait_until_async
 
 from ..extproc_messages import request_body, request_headers
-from ..waiting import wait_until_async
 
 HOSTS = ("127.0.0.31:8000", "127.0.0.32:8000")
 HEADERS = {":method": "POST", "content-type": "application/json"}

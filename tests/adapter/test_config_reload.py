@@ -17,6 +17,7 @@ from extproc.config import ENV_PREFIX, load_config
 from extproc.picker.decide import Strategy
 from extproc.picker.hosts import HostSet
 from extproc.picker.keys import KeyMode
+from extproc.stack.processes import wait_until_async
 
 A = "127.0.0.28:8000"
 B = "127.0.0.29:8000"
@@ -198,9 +199,12 @@ async def test_run_applies_a_change(tmp_path: Path) -> None:
     task = asyncio.create_task(reloader.run(stop, interval_s=0.02))
     try:
         write(path, {**BASE, "concurrency_threshold": 11})
-        async with asyncio.timeout(5):
-            while router.config.concurrency_threshold != 11:
-                await asyncio.sleep(0.02)
+        await wait_until_async(
+            lambda: router.config.concurrency_threshold == 11,
+            5,
+            "the new threshold applied",
+            interval_s=0.02,
+        )
     finally:
         stop.set()
         await asyncio.wait_for(task, timeout=5)
@@ -273,16 +277,17 @@ async def test_the_reload_task_outlives_an_unexpected_error(
     monkeypatch.setattr("extproc.adapter.service.load_config", broken_once)
     stop = asyncio.Event()
     task = asyncio.create_task(reloader.run(stop, interval_s=0.02))
-    write(path, {**BASE, "concurrency_threshold": 3})
-    for _ in range(100):
-        await asyncio.sleep(0.02)
-        if calls:
-            break
-    write(path, {**BASE, "concurrency_threshold": 5})
-    for _ in range(100):
-        await asyncio.sleep(0.02)
-        if router.config.concurrency_threshold == 5:
-            break
-    stop.set()
-    await task
+    try:
+        write(path, {**BASE, "concurrency_threshold": 3})
+        await wait_until_async(lambda: calls, 2, "the broken load", interval_s=0.02)
+        write(path, {**BASE, "concurrency_threshold": 5})
+        await wait_until_async(
+            lambda: router.config.concurrency_threshold == 5,
+            2,
+            "the next good reload",
+            interval_s=0.02,
+        )
+    finally:
+        stop.set()
+        await task
     assert calls >= 2 and router.config.concurrency_threshold == 5

@@ -24,6 +24,7 @@ from extproc.adapter.decision_exchange import (
 )
 from extproc.adapter.routing import Router
 from extproc.config import RouterConfig
+from extproc.stack.processes import wait_until_async
 
 HOSTS = tuple(f"127.0.0.{21 + i}:8000" for i in range(4))
 CHAIN = (0, 1, 2**64 - 1, 0x9E3779B97F4A7C15)
@@ -129,17 +130,21 @@ async def test_publishing_batches_up_to_batch_max_and_flushes_the_rest_later():
 
 async def connected(sender: DecisionExchange, receiver: DecisionExchange) -> None:
     """Publish a probe (naming no host) until the receiver has one: SUB joins late."""
-    async with asyncio.timeout(10):
-        while not receiver.dropped["unknown_host"]:
-            sender.publish("probe:0", (1,))
-            sender.flush()
-            await asyncio.sleep(0.01)
+
+    def probe_arrived() -> bool:
+        if receiver.dropped["unknown_host"]:
+            return True
+        sender.publish("probe:0", (1,))
+        sender.flush()
+        return False
+
+    await wait_until_async(probe_arrived, 10, "a probe to cross", interval_s=0.01)
 
 
 async def applied(exchange: DecisionExchange, count: int) -> None:
-    async with asyncio.timeout(10):
-        while exchange.applied < count:
-            await asyncio.sleep(0.001)
+    await wait_until_async(
+        lambda: exchange.applied >= count, 10, f"{count} decisions applied", interval_s=0.001
+    )
 
 
 async def test_a_decision_made_by_one_router_is_the_others_and_one_prompt_goes_to_one_host(
@@ -179,7 +184,7 @@ async def test_a_decision_made_by_one_router_is_the_others_and_one_prompt_goes_t
             assert len(set(placed)) == 1, (n, placed)
         await applied(other, 40)
         # Each decision was shared once: none came back to the router that made it.
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # a window for a stray echo to arrive in
         assert (one.applied, other.applied) == (20, 40)
         assert sum(second.index.host_sizes().values()) > 0
     finally:

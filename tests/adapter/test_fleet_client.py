@@ -24,9 +24,7 @@ from extproc.control.snapshot import (
     content_version,
 )
 from extproc.control.xds_server import XdsServer
-from extproc.stack.processes import free_port
-
-from ..waiting import wait_until_async
+from extproc.stack.processes import free_port, wait_until_async
 
 CP_HOST = "127.0.0.1"
 CLUSTER = "vllm"

@@ -26,9 +26,9 @@ async def test_a_blocked_loop_shows_as_lag_and_an_idle_one_does_not():
     lag = LoopLag(interval_s=0.01, window=5)
     stop = asyncio.Event()
     task = asyncio.create_task(lag.run(stop))
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0.1)  # idle: prompt wake-ups fill the window
     time.sleep(0.25)  # a handler that holds the loop
-    await asyncio.sleep(0.03)
+    await asyncio.sleep(0.03)  # a turn or two: the task records the late wake-up
     assert lag.seconds >= 0.2
     await asyncio.sleep(0.2)  # five prompt wake-ups later the block has left the window
     assert lag.seconds < 0.1
@@ -41,7 +41,7 @@ async def test_a_wake_up_overdue_counts_before_it_happens():
     lag = LoopLag(interval_s=0.01, window=5)
     stop = asyncio.Event()
     task = asyncio.create_task(lag.run(stop))
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # idle: prompt wake-ups only
     assert lag.seconds < 0.1
     time.sleep(0.25)  # the loop is held: the task's wake-up is overdue, not yet recorded
     assert lag.seconds >= 0.2

@@ -8,7 +8,6 @@ that half-closes and reads the status instead still gets it, once ``reset_wait_s
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -20,6 +19,7 @@ from extproc.adapter.routing import Router
 from extproc.adapter.service import SERVICE_NAME, ExternalProcessor
 from extproc.config import RouterConfig
 from extproc.picker.decide import Strategy
+from extproc.stack.processes import wait_until_async
 
 from ..extproc_messages import request_body, request_headers
 
@@ -62,9 +62,7 @@ async def decided_call(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamCall:
 async def until(check, timeout_s: float = 2.0) -> float:  # type: ignore[no-untyped-def]
     """Seconds until ``check()`` holds; fails after ``timeout_s``."""
     started = time.monotonic()
-    while not check():
-        assert time.monotonic() - started < timeout_s, "timed out"
-        await asyncio.sleep(0.01)
+    await wait_until_async(check, timeout_s, interval_s=0.01)
     return time.monotonic() - started
 
 

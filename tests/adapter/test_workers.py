@@ -196,9 +196,12 @@ def test_workers_stop_when_their_supervisor_is_killed(tmp_path):
         workers = children(supervisor.pid)
         supervisor.kill()
         supervisor.wait()
-        deadline = time.monotonic() + 30
-        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until(
+            lambda: not any(alive(pid) for pid in workers),
+            30,
+            "the orphaned workers to stop",
+            interval_s=0.2,
+        )
         assert not any(alive(pid) for pid in workers)
     finally:
         if supervisor.poll() is None:
@@ -212,6 +215,7 @@ def test_a_worker_that_cannot_start_stops_them_all_with_an_error(tmp_path):
         [
             sys.executable,
             "-c",
+            # Holds the port for longer than the test runs.
             f"import socket,time; s=socket.socket(); "
             f"s.bind(('127.0.0.1',{base + 3})); s.listen(); time.sleep(60)",
         ]
@@ -306,7 +310,13 @@ def test_two_workers_send_one_new_prompts_requests_to_one_host(tmp_path, share):
             placed = set()
             for turn in range(4):  # worker 0, worker 1, worker 0, worker 1
                 placed.add(routed_to(workers[turn % 2], new_document(n)))
-                time.sleep(0.02)  # the decision's batch leaves within 2 ms
+                if share:  # the other worker applies this decision before it routes
+                    other, sent = base + 2 + (turn + 1) % 2, 2 * n + turn // 2 + 1
+                    wait_until(
+                        lambda o=other, s=sent: worker_counts(o)[1] >= s,
+                        5,
+                        f"the decision of request {4 * n + turn} applied",
+                    )
             if share:
                 assert len(placed) == 1, (n, placed)
         counts = [worker_counts(port) for port in (base + 2, base + 3)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import http.client
 import itertools
 import os
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from extproc.stack import prometheus
 from extproc.stack.bootstrap import BootstrapParams, render
 from extproc.stack.envoy_admin import envoy_hosts, healthy_hosts
 from extproc.stack.local import INSTANT_PREFILL, simulated_backends
-from extproc.stack.processes import free_ports, http_ok
+from extproc.stack.processes import free_ports, http_ok, wait_until
 
 LABEL = "envoy-prefix-router.test"
 _serial = itertools.count()
@@ -60,16 +60,10 @@ class ImageTags:
         )
 
 
-def wait_for(check, what: str, timeout: float = READY_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except (OSError, httpx.HTTPError):  # not listening yet
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+def wait_for(check: Callable[[], object], what: str, timeout: float = READY_TIMEOUT_S) -> None:
+    """extproc/stack/processes.py's wait_until, polling every 0.2 s: a container that is
+    not listening yet (OSError, httpx.HTTPError) counts as not ready."""
+    wait_until(check, timeout, what, interval_s=0.2, ignoring=(OSError, httpx.HTTPError))
 
 
 def metric(url: str, name: str, **labels: str) -> float | None:
@@ -248,8 +242,15 @@ class ContainerStack:
             samples = prometheus.scrape(f"http://{host}/metrics")
             return prometheus.total(samples, "vllm:num_requests_running")
 
+        def load_rounds() -> float:
+            # The control plane stamps each round's loads, so every round is an update.
+            url = self.router_metrics_url
+            return metric(url, "prefix_router_fleet_updates_total", kind="load") or 0.0
+
         wait_for(lambda: all(running(host) == 0 for host in self.fleet), "an idle fleet")
-        time.sleep(1.0)  # the control plane scrapes every 0.25 s
+        # Two rounds, as one may have been scraped before the fleet went idle.
+        rounds = load_rounds()
+        wait_for(lambda: load_rounds() >= rounds + 2, "two load-feed rounds of an idle fleet")
 
     def logs(self, name: str) -> str:
         stdout, stderr = self.containers[name].get_logs()

@@ -45,7 +45,7 @@ async def test_overflow_at_the_threshold(stack: ContainerStack):
     async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
 
         async def one(delay: float) -> str:
-            await asyncio.sleep(delay)
+            await asyncio.sleep(delay)  # staggered, so arrival order is known
             return served_by(await http.post("/v1/chat/completions", json=body))
 
         hosts = await asyncio.gather(*(one(i * 0.05) for i in range(THRESHOLD + 2)))

@@ -112,7 +112,7 @@ async def test_a_name_with_no_records_is_a_failure() -> None:
 
 async def test_a_stalled_resolver_times_out() -> None:
     async def stall(host: str, port: int) -> list[str]:
-        await asyncio.sleep(10)
+        await asyncio.sleep(10)  # a resolver that never answers in time
         return []
 
     source = DnsSource(["vllm:8000"], resolver=stall, timeout_s=0.1)

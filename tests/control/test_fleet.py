@@ -14,7 +14,7 @@ from extproc.control.fleet import Fleet, build_fleet
 from extproc.control.model import HostHealth, HostLoad
 from extproc.control.snapshot import FleetSnapshot, LoadSnapshot, PublishedHost, SnapshotStore
 from extproc.sim.server import SimOptions, serve
-from extproc.stack.processes import free_port
+from extproc.stack.processes import free_port, wait_until_async
 
 # Loopback addresses of their own keep these tests clear of other suites' ports.
 SIM_A = "127.0.0.61"
@@ -181,13 +181,15 @@ async def test_fleet_run_publishes_hosts_and_loads() -> None:
         stop = asyncio.Event()
         runner = asyncio.create_task(fleet.run(stop))
         try:
-            async with asyncio.timeout(10):
-                while not (
+            await wait_until_async(
+                lambda: (
                     addresses_of(published(store)) == sorted(sims)
                     and isinstance(loads := store.get("vllm/load"), LoadSnapshot)
                     and len(loads.loads) == len(sims)
-                ):
-                    await asyncio.sleep(0.05)
+                ),
+                10,
+                "both hosts and their loads published",
+            )
         finally:
             stop.set()
             await asyncio.wait_for(runner, timeout=5)

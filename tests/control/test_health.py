@@ -19,7 +19,7 @@ from extproc.control.health import (
 )
 from extproc.control.model import HostHealth
 from extproc.sim.server import SimOptions, serve
-from extproc.stack.processes import free_port
+from extproc.stack.processes import free_port, wait_until_async
 
 # Loopback addresses of their own keep these tests clear of other suites' ports.
 SIM_HOST = "127.0.0.31"
@@ -315,9 +315,9 @@ async def test_run_reports_transitions_only_and_stops_promptly() -> None:
 
     async def wait_for_rounds(count: int) -> None:
         target = rounds + count
-        async with asyncio.timeout(10):
-            while rounds < target:
-                await asyncio.sleep(0.01)
+        await wait_until_async(
+            lambda: rounds >= target, 10, f"{count} more health rounds", interval_s=0.01
+        )
 
     def healthy_sets() -> list[set[str]]:
         return [{a for a, s in states.items() if s.healthy} for states in changes]

@@ -189,7 +189,7 @@ async def test_wait_past_wakes_on_publish() -> None:
     store = SnapshotStore()
     store.publish(fleet(*BASE))
     waiter = asyncio.create_task(store.wait_past(store.generation))
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # one turn of the loop: the waiter starts waiting
     assert not waiter.done()
     store.publish(fleet(*BASE, PublishedHost(C)))
     assert await asyncio.wait_for(waiter, timeout=1.0) == 2
@@ -205,7 +205,7 @@ async def test_wait_past_does_not_wake_on_a_noop_publish() -> None:
     store = SnapshotStore()
     store.publish(fleet(*BASE))
     waiter = asyncio.create_task(store.wait_past(store.generation))
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # one turn of the loop: the waiter starts waiting
     assert store.publish(fleet(*BASE)) is False
     done, _ = await asyncio.wait({waiter}, timeout=0.2)
     assert not done
@@ -225,7 +225,7 @@ async def test_wait_past_noop_times_out_with_wait_for() -> None:
 async def test_wait_past_wakes_every_waiter() -> None:
     store = SnapshotStore()
     waiters = [asyncio.create_task(store.wait_past(0)) for _ in range(5)]
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # one turn of the loop: the waiters start waiting
     store.publish(fleet(*BASE))
     results = await asyncio.wait_for(asyncio.gather(*waiters), timeout=1.0)
     assert results == [1] * 5

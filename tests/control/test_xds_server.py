@@ -13,6 +13,7 @@ from extproc.control.resources import CLA_TYPE_URL, cla_to_fleet, cla_to_loads
 from extproc.control.snapshot import FleetSnapshot, LoadSnapshot, PublishedHost, SnapshotStore
 from extproc.control.xds_protocol import DiscoveryRequest, DiscoveryResponse
 from extproc.control.xds_server import XdsServer
+from extproc.stack.processes import wait_until_async
 
 ADS = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources"
 EDS = "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints"
@@ -218,10 +219,12 @@ async def test_stream_gauge_follows_open_streams(control_plane: ControlPlane) ->
         await xds.send()
         await xds.receive()
         assert metric("prefix_router_cp_xds_streams") == base + 1
-    for _ in range(100):
-        if metric("prefix_router_cp_xds_streams") == base:
-            break
-        await asyncio.sleep(0.02)
+    await wait_until_async(
+        lambda: metric("prefix_router_cp_xds_streams") == base,
+        2,
+        "the stream gauge to drop back",
+        interval_s=0.02,
+    )
     assert metric("prefix_router_cp_xds_streams") == base
 
 

@@ -29,6 +29,7 @@ from extproc.events.wire import (
     decode_batch,
     encode_batch,
 )
+from extproc.stack.processes import WaitTimeout, wait_until_async
 
 LOOPBACK = "tcp://127.0.0.1:0"
 HOST = "10.0.0.1:8000"
@@ -73,16 +74,15 @@ def stored(block: int) -> BlockStored:
 
 async def within(condition: Callable[[], bool], timeout_s: float) -> bool:
     """Whether ``condition`` holds within ``timeout_s``, polled."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() >= deadline:
-            return False
-        await asyncio.sleep(0.01)
+    try:
+        await wait_until_async(condition, timeout_s, interval_s=0.01)
+    except WaitTimeout:
+        return False
     return True
 
 
 async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    assert await within(condition, timeout_s), "condition not met in time"
+    await wait_until_async(condition, timeout_s, interval_s=0.01)
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ import queue
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from extproc.events.wire import (
     decode_batch,
     encode_batch,
 )
+from extproc.stack.processes import wait_until_async
 
 REPO = Path(__file__).resolve().parents[2]
 MARK = "@@"  # vLLM logs on stdout too; our answers carry this prefix
@@ -348,10 +348,7 @@ class _Recorder:
 
 
 async def _until(condition: Any, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
+    await wait_until_async(condition, timeout_s, interval_s=0.02)
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="ipc:// endpoints")

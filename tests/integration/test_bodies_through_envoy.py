@@ -99,7 +99,7 @@ def test_slow_drip_body_is_routed_and_delivered(stack: LocalStack, client):
 
     def drip():
         for i in range(0, len(body), 2000):
-            time.sleep(0.05)
+            time.sleep(0.05)  # the slow drip is the scenario
             yield body[i : i + 2000]
 
     response = client.post("/v1/chat/completions", content=drip())
@@ -117,7 +117,7 @@ def test_a_body_that_stalls_past_message_timeout_is_routed_and_delivered(stack, 
 
     def stalling():
         yield body[:5000]
-        time.sleep(pause_s)
+        time.sleep(pause_s)  # the stall past message_timeout is the scenario
         yield body[5000:]
 
     response = client.post("/v1/chat/completions", content=stalling())

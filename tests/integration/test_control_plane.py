@@ -9,9 +9,8 @@ import httpx
 import pytest
 
 from extproc.stack.local import LocalStack, envoy_counters
-from extproc.stack.processes import free_port
+from extproc.stack.processes import free_port, wait_until
 
-from ..waiting import wait_until
 from .fleet_helpers import (
     Traffic,
     chat,

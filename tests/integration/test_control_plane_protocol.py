@@ -18,7 +18,7 @@ from extproc.control.snapshot import (
 )
 from extproc.control.xds_server import XdsServer
 from extproc.stack.local import LocalStack, ManagedProcess, envoy_counters
-from extproc.stack.processes import wait_until
+from extproc.stack.processes import wait_until, wait_until_async
 
 from .fleet_helpers import fleet_spec, placements
 
@@ -54,10 +54,9 @@ async def test_envoy_nack_is_counted_and_the_fleet_keeps_serving(tmp_path):
 
         # Port 70000 passes our store's consistency check but not Envoy's validation.
         store.publish(unchecked_fleet("vllm", [*stack.backend_addresses, "127.0.0.14:70000"]))
-        for _ in range(100):
-            if nacks() >= nacks_before + 2:  # Envoy and the router both reject it
-                break
-            await asyncio.sleep(0.05)
+        await wait_until_async(  # Envoy and the router both reject it
+            lambda: nacks() >= nacks_before + 2, 5, what="Envoy's and the router's NACKs"
+        )
         assert nacks() >= nacks_before + 2
         assert envoy_counters(stack.admin_url, "cluster.vllm.")["update_rejected"] >= 1
         # Both kept the last good fleet and keep serving it.

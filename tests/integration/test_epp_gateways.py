@@ -22,8 +22,7 @@ from extproc.bench.bodies import body_of_size
 from extproc.stack.envoy_admin import envoy_workers, healthy_hosts
 from extproc.stack.epp_gateway import EppGateway
 from extproc.stack.gateways import EPP_CLUSTER
-
-from ..waiting import wait_until
+from extproc.stack.processes import wait_until
 
 pytestmark = pytest.mark.envoy
 
@@ -87,7 +86,7 @@ def _upload(body: bytes, upload: str) -> Iterator[bytes]:
         return
     step = max(1, -(-len(body) // 16))
     for i in range(0, len(body), step):
-        time.sleep(0.02)
+        time.sleep(0.02)  # the slow drip is the scenario
         yield body[i : i + step]
 
 

@@ -24,10 +24,9 @@ from extproc import ports
 from extproc.adapter.messages import LB_METADATA_KEY, LB_METADATA_NAMESPACE, ProcessingResponse
 from extproc.adapter.service import SERVICE_NAME
 from extproc.bench.probes import scrape, total
-from extproc.stack.processes import ManagedProcess
+from extproc.stack.processes import ManagedProcess, wait_until
 
 from ..extproc_messages import request_body, request_headers
-from ..waiting import wait_until
 
 HOSTS = ("127.0.0.71:8000", "127.0.0.72:8000", "127.0.0.73:8000")
 WORKERS = 2

@@ -6,8 +6,8 @@ import httpx
 
 from extproc.stack import prometheus
 from extproc.stack.local import LocalStack
+from extproc.stack.processes import wait_until
 
-from ..waiting import wait_until
 from .conftest import fleet
 
 

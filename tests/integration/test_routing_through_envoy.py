@@ -9,8 +9,8 @@ import httpx
 
 from extproc.stack import prometheus
 from extproc.stack.local import LocalStack, envoy_counters
+from extproc.stack.processes import wait_until, wait_until_async
 
-from ..waiting import wait_until, wait_until_async
 from .conftest import THRESHOLD, fleet, streams_end_at_decision
 
 
@@ -76,7 +76,7 @@ async def test_overflow_happens_at_the_threshold(stack: LocalStack):
         home = served_by(await http.post("/v1/chat/completions", json=chat(document(7))))
 
         async def one(delay: float) -> str:
-            await asyncio.sleep(delay)
+            await asyncio.sleep(delay)  # staggered arrivals, not a wait for anything
             return served_by(await http.post("/v1/chat/completions", json=body))
 
         # Staggered so arrival order is known: the first THRESHOLD fill the home host.

@@ -11,11 +11,13 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
+from extproc.stack.processes import WaitTimeout, wait_until
 
 from ..prompts import document
 
@@ -111,11 +113,11 @@ class SteadyTraffic:
         return f"{len(sent)} sent, statuses {statuses}, first errors {errors}"
 
     def wait_for(self, count: int, timeout_s: float = 30.0) -> None:
-        """Block until ``count`` more requests have completed (or ``timeout_s``)."""
+        """Block until ``count`` more requests have completed, or ``timeout_s`` has passed:
+        no error then, the assertions that follow judge what did complete."""
         target = len(self.sent) + count
-        deadline = time.monotonic() + timeout_s
-        while len(self.sent) < target and time.monotonic() < deadline:
-            time.sleep(0.05)
+        with suppress(WaitTimeout):
+            wait_until(lambda: len(self.sent) >= target, timeout_s, f"{count} more requests")
 
     async def _one(self, client: httpx.AsyncClient, doc: int) -> None:
         at = time.monotonic()
@@ -150,7 +152,7 @@ class SteadyTraffic:
                 if self._stop.is_set() or now - started > self._max_seconds:
                     break
                 if due > now:
-                    await asyncio.sleep(due - now)
+                    await asyncio.sleep(due - now)  # paced: one request per interval
                 task = asyncio.create_task(gated(client, n % self._docs))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)

@@ -40,7 +40,7 @@ async def hold(url: str, count: int, rate: float) -> tuple[list[int], int]:
 
         async def one(n: int) -> int:
             nonlocal in_flight, peak
-            await asyncio.sleep(n / rate)
+            await asyncio.sleep(n / rate)  # paced: ``rate`` a second
             body = {
                 "model": "sim-model",
                 "max_tokens": HOLD_TOKENS,

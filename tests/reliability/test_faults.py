@@ -11,8 +11,8 @@ import time
 import pytest
 
 from extproc.stack.local import LocalStack, envoy_counters
+from extproc.stack.processes import wait_until
 
-from ..waiting import wait_until
 from .stacks import placements, reliability_spec, wait_for_fleet
 from .steady import SteadyTraffic
 
@@ -109,7 +109,7 @@ def test_control_plane_outage_of_30s_fails_nothing_and_moves_nothing(stack: Loca
         time.sleep(15)
         during = placements(stack, DOCS)
         assert stack.envoy_hosts() == fleet  # Envoy keeps the last set
-        time.sleep(15)
+        time.sleep(15)  # the outage's second half
         stack.start_control_plane()
         # Both subscribers reconnect and are sent the fleet again. Envoy within about 2 s;
         # the router's own backoff is at most 2 s, but grpc's connection backoff, shared by

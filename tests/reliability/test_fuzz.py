@@ -406,7 +406,7 @@ async def _messages(
     for request in requests:
         sent.append(time.perf_counter())
         yield request
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # a turn of the loop between messages, as over a network
 
 
 class _Aborted(Exception):

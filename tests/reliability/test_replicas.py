@@ -175,7 +175,7 @@ async def test_drain_notice_waits_for_the_next_health_check_only_when_checked():
     await service.Check(request, _Context())  # Envoy is checking this router
     await service.enter_graceful_shutdown()
     notice = asyncio.ensure_future(service.drain_notice(timeout_s=2))
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.2)  # a window in which the notice must not come
     assert not notice.done()  # still accepting streams: Envoy has not been told yet
     answer = await service.Check(request, _Context())
     assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING

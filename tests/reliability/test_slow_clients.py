@@ -20,7 +20,7 @@ import pytest
 
 from extproc.stack import prometheus
 from extproc.stack.local import LocalStack
-from extproc.stack.processes import wait_until
+from extproc.stack.processes import wait_until, wait_until_async
 
 from ..prompts import document
 from .stacks import reliability_spec, rss_kib
@@ -159,8 +159,11 @@ async def test_a_request_that_never_finishes_is_ended_by_envoy(stack: LocalStack
     host, port = stack.spec.listen
     stalled = asyncio.ensure_future(slow_client(host, port, total=5000, drip=0))
     # While it stalls, the router holds its stream and serves others.
-    await asyncio.sleep(0.5)
-    assert (stack.router_metric("prefix_router_open_streams") or 0) >= 1
+    await wait_until_async(
+        lambda: (stack.router_metric("prefix_router_open_streams") or 0) >= 1,
+        5,
+        what="the router to hold the stalled stream",
+    )
     async with httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
         response = await client.post(CHAT, json=chat(document(1)))
     assert response.status_code == 200

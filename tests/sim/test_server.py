@@ -4,7 +4,6 @@ import hashlib
 import io
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.sim import server as sim_server
 from extproc.sim.server import SimOptions, serve
-from extproc.stack.processes import free_ports_on
+from extproc.stack.processes import free_ports_on, tcp_open, wait_until, wait_until_async
 
 HOST = "127.0.0.1"
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=30)
@@ -86,10 +85,10 @@ async def metric(session: aiohttp.ClientSession, base: str, sample_name: str) ->
 async def wait_for_metric(
     session: aiohttp.ClientSession, base: str, name: str, value: float, timeout_s: float = 5
 ) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (current := await metric(session, base, name)) != value:
-        assert time.monotonic() < deadline, f"{name} stayed {current}, wanted {value}"
-        await asyncio.sleep(0.02)
+    async def reached() -> bool:
+        return await metric(session, base, name) == value
+
+    await wait_until_async(reached, timeout_s, f"{name} to be {value}", interval_s=0.02)
 
 
 def sse_payloads(raw: str) -> list[str]:
@@ -466,15 +465,12 @@ def test_run_stops_cleanly_on_sigterm() -> None:
         [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     try:
-        deadline = time.monotonic() + 20
-        while True:
+
+        def accepting() -> bool:
             assert proc.poll() is None, proc.communicate()[0]
-            assert time.monotonic() < deadline, "simulator never accepted a connection"
-            try:
-                socket.create_connection((HOST, port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.05)
+            return tcp_open(HOST, port)
+
+        wait_until(accepting, 20, "the simulator to accept a connection")
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=20)
     finally:

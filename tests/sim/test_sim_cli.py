@@ -1,7 +1,6 @@
 """`prefix-router sim`: its flags reach SimOptions, and --timing model runs the engine model."""
 
 import contextlib
-import socket
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ import pytest
 from extproc import cli
 from extproc.sim import server as sim_server
 from extproc.sim.options import SimOptions
-from extproc.stack.processes import free_port
+from extproc.stack.processes import free_port, tcp_open, wait_until
 
 HOST = "127.0.0.1"
 
@@ -98,15 +97,12 @@ def sim_process(*flags: str) -> Iterator[str]:
     command = [sys.executable, "-m", "extproc", "sim", "--address", f"{HOST}:{port}", *flags]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 20
-        while True:
+
+        def accepting() -> bool:
             assert proc.poll() is None, "the simulator exited"
-            assert time.monotonic() < deadline, "the simulator never accepted a connection"
-            try:
-                socket.create_connection((HOST, port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.05)
+            return tcp_open(HOST, port)
+
+        wait_until(accepting, 20, "the simulator to accept a connection")
         yield f"http://{HOST}:{port}"
     finally:
         proc.terminate()

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 import time
 
 import pytest
 
-from .waiting import wait_until, wait_until_async
+from extproc.stack.processes import (
+    ManagedProcess,
+    StackError,
+    wait_until,
+    wait_until_async,
+)
 
 
 def test_returns_the_first_truthy_value_without_waiting_for_the_timeout():
@@ -54,3 +60,19 @@ async def test_the_async_twin_lets_the_loop_run_and_awaits_coroutine_predicates(
     assert await wait_until_async(ready, 1) == 7
     with pytest.raises(AssertionError, match="waiting for never"):
         await wait_until_async(lambda: False, 0.05, interval_s=0.01, what="never")
+
+
+def test_a_timeout_is_a_stack_error_to_the_runtime():
+    with pytest.raises(StackError, match="waiting for the stack"):
+        wait_until(lambda: False, 0.05, "the stack", interval_s=0.01)
+
+
+def test_a_process_that_exits_ends_the_wait_at_once_with_its_log(tmp_path):
+    code = "print('bye'); raise SystemExit(3)"
+    process = ManagedProcess("quitter", [sys.executable, "-c", code], tmp_path / "log").start()
+    started = time.monotonic()
+    with pytest.raises(
+        StackError, match="quitter exited with 3 while waiting for it to serve:\nbye"
+    ):
+        wait_until(lambda: False, 30, "it to serve", process)
+    assert time.monotonic() - started < 10
