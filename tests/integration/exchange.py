@@ -11,7 +11,7 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Iterable
 
-from ..waiting import wait_until
+from extproc.stack.processes import wait_until
 
 
 def subscribers(port: int) -> int:

@@ -36,11 +36,10 @@ from extproc.adapter.service import SERVICE_NAME
 from extproc.config import RouterConfig
 from extproc.stack import prometheus
 from extproc.stack.local import INSTANT_PREFILL
-from extproc.stack.processes import ManagedProcess, free_ports
+from extproc.stack.processes import ManagedProcess, free_ports, wait_until
 
 from ..extproc_messages import request_body, request_headers
 from ..prompts import document
-from ..waiting import wait_until
 from .exchange import wait_for_subscribers
 
 HOSTS = ("127.0.0.81:8000", "127.0.0.82:8000", "127.0.0.83:8000")

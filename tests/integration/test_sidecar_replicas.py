@@ -28,10 +28,9 @@ from extproc.adapter.routing import Router
 from extproc.config import RouterConfig
 from extproc.stack import prometheus
 from extproc.stack.local import INSTANT_PREFILL, LocalStack, StackSpec
-from extproc.stack.processes import ManagedProcess, free_ports
+from extproc.stack.processes import ManagedProcess, free_ports, wait_until
 
 from ..prompts import document
-from ..waiting import wait_until
 from .exchange import wait_for_subscribers
 
 CHAT = "/v1/chat/completions"
