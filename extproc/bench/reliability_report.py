@@ -74,7 +74,7 @@ def render_text(soak: dict[str, Any] | None, *saturations: dict[str, Any] | None
     return "\n".join(sections)
 
 
-def _saturations(out_dir: Path) -> list[dict[str, Any]]:
+def saturations(out_dir: Path) -> list[dict[str, Any]]:
     """The main ladder first, then the other body sizes, smallest first."""
     runs = [json.loads(path.read_text()) for path in out_dir.glob("reliability-saturation*.json")]
     return sorted(runs, key=lambda run: (_body_bytes(run) != MAIN_BODY_BYTES, _body_bytes(run)))
@@ -86,12 +86,12 @@ def _body_bytes(run: dict[str, Any]) -> int:
 
 def render(out_dir: Path) -> Path:
     """Render the page and its plots from the stored runs in ``out_dir``."""
-    soak, saturations = _load(out_dir, "soak"), _saturations(out_dir)
+    soak, ladders = _load(out_dir, "soak"), saturations(out_dir)
     path = out_dir / PAGE
-    path.write_text(render_text(soak, *saturations))
+    path.write_text(render_text(soak, *ladders))
     if soak is not None:
         _plot_soak(soak, out_dir / "reliability-soak.png")
-    for saturation in saturations:
+    for saturation in ladders:
         name = saturation_name(_body_bytes(saturation))
         _plot_saturation(saturation, out_dir / f"reliability-{name}.png")
     return path

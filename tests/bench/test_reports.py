@@ -16,9 +16,13 @@ from extproc.bench.workloads import WorkloadSpec, generate
 REPORTS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks"
 # Pages that are not one run's report.
 NOT_REPORTS = {"README.md"}
-# The reliability page renders two stored runs on one page.
+# The reliability page renders the soak and every saturation ladder on one page.
 RELIABILITY = {
-    "reliability.md": ("reliability-soak.json", "reliability-saturation.json"),
+    "reliability.md": (
+        "reliability-soak.json",
+        "reliability-saturation.json",
+        "reliability-saturation-32768.json",
+    ),
 }
 
 
@@ -47,11 +51,14 @@ def test_report_is_its_stored_run_rendered(name, tmp_path):
 
 
 def test_reliability_page_is_its_stored_runs_rendered():
-    soak, saturation = (
-        json.loads((REPORTS / part).read_text()) for part in RELIABILITY["reliability.md"]
-    )
+    soak = json.loads((REPORTS / "reliability-soak.json").read_text())
+    saturations = reliability_report.saturations(REPORTS)
+    # Every stored ladder is on the page, the main one (8 KiB bodies) first.
+    stored = sorted(p.name for p in REPORTS.glob("reliability-saturation*.json"))
+    assert stored == sorted(RELIABILITY["reliability.md"][1:])
+    assert [s["options"]["body_bytes"] for s in saturations] == [8192, 32768]
     committed = (REPORTS / "reliability.md").read_text()
-    assert reliability_report.render_text(soak, saturation) == committed
+    assert reliability_report.render_text(soak, *saturations) == committed
 
 
 def test_headline_page_is_the_stored_runs_rendered():
