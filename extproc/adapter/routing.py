@@ -321,6 +321,8 @@ class Router:
         decision = placement.decision
         if placement.lookup is not None:
             self._count_evictions()
+            if blocks is not None:
+                self._count_match(placement, blocks, weights)
         self.ledger.acquire(decision.primary)
         metrics.DECISIONS.labels(decision.strategy.value, decision.outcome.value).inc()
         if decision.outcome in OVERFLOWED:
@@ -331,6 +333,28 @@ class Router:
         for observer in self.observers:
             observer.routed(routed)
         return placement
+
+    @staticmethod
+    def _count_match(
+        placement: Placement, blocks: PromptBlocks, weights: Mapping[str, float]
+    ) -> None:
+        """What a longest match found: the index's estimate of the hit, and a debug line."""
+        decision, lookup, heat = placement.decision, placement.lookup, placement.heat
+        assert lookup is not None
+        log.debug(
+            "prefix_decision",
+            primary=decision.primary,
+            outcome=decision.outcome.value,
+            blocks=blocks.depth,
+            matched=lookup.matched,
+            popular=heat.depth if heat is not None else 0,
+            replicas=heat.replicas if heat is not None else 0,
+            weights=weights,
+        )
+        if blocks.length:
+            metrics.PREFIX_MATCHED.observe(placement.matched_bytes / blocks.length)
+            metrics.PROMPT_BYTES.inc(blocks.length)
+            metrics.MATCHED_BYTES.inc(placement.matched_bytes)
 
     def served(self, placement: Placement, endpoint: str) -> Decision:
         """The gateway reports that ``endpoint`` served the request (a retry or its

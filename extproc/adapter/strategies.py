@@ -1,8 +1,10 @@
 """The router's routing strategies, one per (routing_strategy, prefix_match), in one table.
 
 The table is built from a config (again on every hot reload), and the router looks its
-strategy up there instead of branching per request. Longest match lives here rather than
-in the picker: it reads and records the prefix index, and counts what it matched.
+strategy up there instead of branching per request; ``prefix-router replay`` decides
+through the same table. Longest match lives here rather than in the picker: it reads and
+records the prefix index. What it matched comes back in the ``Placement``, and the router
+counts and logs it (a replay does neither).
 """
 
 from __future__ import annotations
@@ -11,9 +13,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-import structlog
-
-from extproc.adapter import metrics
 from extproc.config import PrefixMatch, RouterConfig
 from extproc.index.placer import place_longest
 from extproc.index.popularity import PrefixPopularity
@@ -23,14 +22,10 @@ from extproc.picker.affinity import LoadPolicy
 from extproc.picker.decide import Strategy
 from extproc.picker.strategy import (
     DecisionInput,
-    KeyStrategy,
-    LeastLoadedStrategy,
     Placement,
-    RandomStrategy,
     RoutingStrategy,
+    strategy_by_name,
 )
-
-log = structlog.get_logger("router")
 
 StrategyTable = Mapping[tuple[Strategy, PrefixMatch], RoutingStrategy]
 
@@ -71,22 +66,7 @@ class LongestMatchStrategy:
             self.prefill,
             request.now,
         )
-        decision, lookup = placed.decision, placed.lookup
-        log.debug(
-            "prefix_decision",
-            primary=decision.primary,
-            outcome=decision.outcome.value,
-            blocks=blocks.depth,
-            matched=lookup.matched,
-            popular=placed.heat.depth,
-            replicas=placed.heat.replicas,
-            weights=request.weights,
-        )
-        if blocks.length:
-            metrics.PREFIX_MATCHED.observe(placed.matched_bytes / blocks.length)
-            metrics.PROMPT_BYTES.inc(blocks.length)
-            metrics.MATCHED_BYTES.inc(placed.matched_bytes)
-        return Placement(decision, lookup)
+        return Placement(placed.decision, placed.lookup, placed.matched_bytes, placed.heat)
 
 
 def strategy_table(
@@ -102,15 +82,16 @@ def strategy_table(
     config routes by. RANDOM and LEAST_OUTSTANDING_REQUESTS match no prefix, so both of
     their pairs hold the same strategy."""
     failover = config.failover_hosts
-    at_random = RandomStrategy(failover)
-    least_loaded = LeastLoadedStrategy(failover)
     table: dict[tuple[Strategy, PrefixMatch], RoutingStrategy] = {
         (Strategy.PREFIX_AWARE, PrefixMatch.LONGEST): LongestMatchStrategy(
             index, popularity, prefill, policy, config.hot_prefix_factor, failover
         ),
-        (Strategy.PREFIX_AWARE, PrefixMatch.FIXED): KeyStrategy(policy, failover),
+        (Strategy.PREFIX_AWARE, PrefixMatch.FIXED): strategy_by_name(
+            Strategy.PREFIX_AWARE, policy, failover
+        ),
     }
-    for match in PrefixMatch:
-        table[Strategy.RANDOM, match] = at_random
-        table[Strategy.LEAST_OUTSTANDING_REQUESTS, match] = least_loaded
+    for strategy in (Strategy.RANDOM, Strategy.LEAST_OUTSTANDING_REQUESTS):
+        chosen = strategy_by_name(strategy, policy, failover)
+        for match in PrefixMatch:
+            table[strategy, match] = chosen
     return MappingProxyType(table)

@@ -1,7 +1,8 @@
 """The decision core: strategy + placement + overflow, with no I/O, clock or randomness.
 
-One pure function per strategy (``by_key``, ``at_random``, ``least_loaded``), and
-``decide``, which picks among them by name. Randomness is injected as a number in [0, 1),
+One pure function per strategy (``by_key``, ``at_random``, ``least_loaded``); the
+strategies behind the router's one signature call them (``strategy.py``). Randomness is
+injected as a number in [0, 1),
 and load is a snapshot mapping host address to requests in flight. Longest match, which
 reads the prefix index, is ``affinity.decide_prefix``.
 """
@@ -89,39 +90,6 @@ def load_bound(
     total = sum(_load(loads, h) for h in hosts.hosts) + 1
     bounded = max(float(min_in_flight), math.ceil(balance_factor * total / len(hosts.hosts)))
     return min(float(concurrency_threshold), bounded)
-
-
-def decide(
-    digest: int,
-    hosts: HostSet,
-    loads: Mapping[str, int | float],
-    strategy: Strategy,
-    concurrency_threshold: int,
-    failover: int,
-    rand: float,
-    balance_factor: float | None = None,
-    balance_min_in_flight: int = 2,
-) -> Decision:
-    """Pick the upstream for one request, by any strategy but longest match.
-
-    ``digest`` is the salted key digest (ignored by RANDOM and LEAST_OUTSTANDING_REQUESTS),
-    ``failover`` is how many extra hosts to append for Envoy's retries, ``rand`` in [0, 1)
-    breaks ties and drives RANDOM, and ``balance_factor`` bounds a host's load relative to
-    the fleet's mean (see ``load_bound``). Never returns a host outside ``hosts``.
-    """
-    if strategy is Strategy.PREFIX_AWARE:
-        return by_key(
-            digest,
-            hosts,
-            loads,
-            concurrency_threshold,
-            failover,
-            balance_factor,
-            balance_min_in_flight,
-        )
-    if strategy is Strategy.RANDOM:
-        return at_random(hosts, failover, rand)
-    return least_loaded(hosts, loads, failover, rand)
 
 
 def by_key(

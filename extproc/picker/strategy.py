@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol
 
-from extproc.picker.affinity import LoadPolicy
+from extproc.picker.affinity import LoadPolicy, PrefixHeat
 from extproc.picker.blocks import PrefixLookup, PromptBlocks
 from extproc.picker.decide import Decision, Strategy, at_random, by_key, least_loaded
 from extproc.picker.hosts import HostSet
@@ -50,6 +50,11 @@ class Placement:
 
     decision: Decision
     lookup: PrefixLookup | None = None
+    # Bytes of the prompt the chosen host holds, by the index (longest match only): the
+    # router's estimate of the hit (prefix_router_matched_bytes_total).
+    matched_bytes: int = 0
+    # The prompt's heat as the decision read it (longest match only).
+    heat: PrefixHeat | None = None
 
 
 class RoutingStrategy(Protocol):
@@ -132,3 +137,13 @@ class LeastLoadedStrategy:
 
     def __call__(self, request: DecisionInput) -> Placement:
         return Placement(least_loaded(request.hosts, request.loads, self.failover, request.rand))
+
+
+def strategy_by_name(strategy: Strategy, policy: LoadPolicy, failover: int) -> RoutingStrategy:
+    """The strategy ``strategy`` names among those that need no index: PREFIX_AWARE here
+    places by the fixed-length key (longest match reads the index: ``adapter/strategies.py``)."""
+    if strategy is Strategy.PREFIX_AWARE:
+        return KeyStrategy(policy, failover)
+    if strategy is Strategy.RANDOM:
+        return RandomStrategy(failover)
+    return LeastLoadedStrategy(failover)

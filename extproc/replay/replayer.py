@@ -1,10 +1,11 @@
 """One configuration replayed: each record decided by the router's own decision code, then
 served by the virtual fleet.
 
-PREFIX_AWARE goes through ``place_longest`` with its own prefix index, popularity counts
-and pending prefill, fed by the virtual fleet's load-feed rounds (cache sizes, placement
-weights) as the router is fed by the control plane; the other strategies through
-``decide``. Loads are the virtual fleet's exact in-flight counts: what one router replica
+Every configuration decides through the router's strategy table
+(``adapter/strategies.py``), behind the one signature the router calls. PREFIX_AWARE by
+longest match reads its own prefix index, popularity counts and pending prefill, fed by
+the virtual fleet's load-feed rounds (cache sizes, placement weights) as the router is fed
+by the control plane. Loads are the virtual fleet's exact in-flight counts: what one router replica
 counts locally. The cache model is the simulator's, at the log's block size, whatever
 block size the configuration routes with: the engines' cache does not change with the
 router's settings.
@@ -18,16 +19,17 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from extproc.adapter.strategies import strategy_table
 from extproc.adapter.traffic_log import TrafficRecord
-from extproc.config import RouterConfig
-from extproc.index.placer import place_longest
+from extproc.config import PrefixMatch, RouterConfig
 from extproc.index.popularity import PrefixPopularity
 from extproc.index.prefill import PendingPrefill
 from extproc.index.prefix import IndexSizing, PrefixIndex
 from extproc.index.replies import ServedPrompts
 from extproc.picker.affinity import LoadPolicy
-from extproc.picker.decide import OVERFLOWED, Decision, Strategy, decide
+from extproc.picker.decide import OVERFLOWED, Decision, Strategy
 from extproc.picker.hosts import HostSet
+from extproc.picker.strategy import NO_WEIGHTS, DecisionInput
 from extproc.replay.configs import FIXED, LEAST_OUTSTANDING, PREFIX_AWARE, RANDOM, ReplayConfig
 from extproc.replay.fleet import FleetModel, VirtualFleet
 from extproc.replay.recorded import fixed_key_digest, recorded_blocks
@@ -125,6 +127,17 @@ class Replayer:
             router.balance_min_in_flight,
             router.overload_cost,
         )
+        # The router's strategy table over the replay's own index and counts; a request's
+        # alternatives (failover hosts) never serve in a replay, so none are listed.
+        match = PrefixMatch.FIXED if config.strategy == FIXED else PrefixMatch.LONGEST
+        table = strategy_table(
+            router.replace(failover_hosts=0),
+            self._policy,
+            self.index,
+            self.popularity,
+            self.prefill,
+        )
+        self.routing = table[self._strategy, match]
         # The cache model holds prompts; vLLM's holds their replies too.
         self.replies = ServedPrompts(router.chars_per_token, service.output_tokens)
         self._start: float | None = None
@@ -162,36 +175,24 @@ class Replayer:
         return host
 
     def _decide(self, record: TrafficRecord, now: float) -> Decision:
-        loads = self.fleet.in_flight
-        router = self._router
-        if self._longest:
-            return place_longest(
-                recorded_blocks(record, self._multiple),
-                self.hosts,
-                loads,
-                self._weights,
-                self._policy,
-                router.hot_prefix_factor,
-                0,
-                self.index,
-                self.popularity,
-                self.prefill,
-                now,
-            ).decision
+        """The router's own strategy (``strategy_table``), over the replay's fleet."""
+        routing = self.routing
+        by_chain = routing.by_chain
         digest = 0
         if self.config.strategy == FIXED:
-            digest = fixed_key_digest(record, self.config.prefix_length or router.prefix_length)
-        return decide(
-            digest,
+            length = self.config.prefix_length or self._router.prefix_length
+            digest = fixed_key_digest(record, length)
+        request = DecisionInput(
             self.hosts,
-            loads,
-            self._strategy,
-            self._threshold,
-            0,
-            self._rng.random(),
-            router.balance_factor,
-            router.balance_min_in_flight,
+            self.fleet.in_flight,
+            self._weights if by_chain else NO_WEIGHTS,
+            # Drawn only for the strategies that read it, as the router draws.
+            0.0 if by_chain else self._rng.random(),
+            now,
+            digest,
+            recorded_blocks(record, self._multiple) if by_chain else None,
         )
+        return routing(request).decision
 
     def result(self) -> ReplayResult:
         fleet = self.fleet

@@ -167,9 +167,9 @@ least (the fleet's bottleneck), among those whose busiest instance takes at most
 
 ## How it was computed
 
-- Decisions: the router's code (PREFIX_AWARE by longest match through `place_longest`, with
-  its own prefix index, popularity counts and pending prefill; the other strategies through
-  `decide`), over the virtual fleet's exact in-flight counts.
+- Decisions: the router's code, the strategies of its own table (`strategy_table`; PREFIX_AWARE
+  by longest match with the replay's own prefix index, popularity counts and pending
+  prefill), over the virtual fleet's exact in-flight counts.
 - The engines: the simulator's prefix cache at the log's block size (a prompt that continues
   one its instance served also hits that prompt's reply), and its engine timing on an idle
   instance with {service["output_tokens"]} output tokens a request,

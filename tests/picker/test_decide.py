@@ -7,9 +7,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.errors import NoHostsError
-from extproc.picker.decide import Outcome, Strategy, decide, load_bound
+from extproc.picker.decide import Outcome, Strategy, load_bound
 from extproc.picker.hosts import HostSet
 from extproc.picker.placement import key_digest, placement_order
+
+from .by_name import decide
 
 ADDRESSES = [f"127.0.0.{i}:8000" for i in range(1, 40)]
 

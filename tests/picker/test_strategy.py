@@ -1,4 +1,5 @@
-"""The pure strategies behind the one signature: each decides as ``decide`` does by name."""
+"""The pure strategies behind the one signature: each decides as its pure function does, and
+``strategy_by_name`` finds each by its name."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from extproc.picker.affinity import LoadPolicy
-from extproc.picker.decide import Strategy, decide
+from extproc.picker.decide import Strategy, at_random, by_key, least_loaded
 from extproc.picker.hosts import HostSet
 from extproc.picker.strategy import (
     NO_WEIGHTS,
@@ -15,6 +16,7 @@ from extproc.picker.strategy import (
     LeastLoadedStrategy,
     RandomStrategy,
     RoutingStrategy,
+    strategy_by_name,
 )
 
 ADDRESSES = [f"127.0.0.{i}:8000" for i in range(1, 20)]
@@ -29,7 +31,7 @@ balance_factors = st.none() | st.floats(min_value=1.0, max_value=3.0)
 
 
 @given(host_sets, loads, digests, rands, st.integers(1, 10), st.integers(0, 3), balance_factors)
-def test_each_strategy_decides_as_decide_does_by_its_name(
+def test_each_strategy_decides_as_its_function_does_and_is_found_by_its_name(
     hosts, load, digest, rand, threshold, failover, balance_factor
 ):
     policy = LoadPolicy(threshold, balance_factor, 2, overload_cost=0.5)
@@ -43,10 +45,21 @@ def test_each_strategy_decides_as_decide_does_by_its_name(
         assert not strategy.by_chain
         placement = strategy(request)
         assert placement.lookup is None
-        expected = decide(
-            digest, hosts, load, strategy.strategy, threshold, failover, rand, balance_factor
-        )
+        expected = {
+            Strategy.PREFIX_AWARE: by_key(
+                digest,
+                hosts,
+                load,
+                threshold,
+                failover,
+                balance_factor,
+                policy.balance_min_in_flight,
+            ),
+            Strategy.RANDOM: at_random(hosts, failover, rand),
+            Strategy.LEAST_OUTSTANDING_REQUESTS: least_loaded(hosts, load, failover, rand),
+        }[strategy.strategy]
         assert placement.decision == expected
+        assert strategy_by_name(strategy.strategy, policy, failover) == strategy
         assert placement.decision.strategy is strategy.strategy
 
 

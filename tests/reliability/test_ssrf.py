@@ -25,10 +25,11 @@ from extproc.adapter import messages
 from extproc.adapter.routing import Router
 from extproc.config import PrefixMatch, RouterConfig
 from extproc.control.model import HostLoad
-from extproc.picker.decide import Strategy, decide
+from extproc.picker.decide import Strategy
 from extproc.picker.hosts import Host, HostSet
 from extproc.stack.local import LocalStack
 
+from ..picker.by_name import decide
 from ..prompts import document
 from .stacks import reliability_spec
 from .steady import CHAT, chat

@@ -4,12 +4,14 @@ virtual fleet, and it reads nothing but the log."""
 
 import pytest
 
+from extproc.adapter.strategies import LongestMatchStrategy
 from extproc.bench.offline import OfflineFleet, simulate
 from extproc.bench.workloads import WorkloadSpec, generate
 from extproc.config import RouterConfig
+from extproc.picker.strategy import KeyStrategy, LeastLoadedStrategy, RandomStrategy
 from extproc.replay.configs import FIXED, LEAST_OUTSTANDING, PREFIX_AWARE, RANDOM, ReplayConfig
 from extproc.replay.fleet import addresses
-from extproc.replay.replayer import ServiceModel
+from extproc.replay.replayer import Replayer, ServiceModel
 from extproc.replay.run import replay
 
 from .logs import record_log
@@ -72,3 +74,21 @@ def test_virtual_addresses_stand_in_for_a_fleet_not_named(workload):
     named = replay(log, [config], hosts=FLEET.addresses)  # 7 named: not this fleet's size
     assert len(named.results[0].shares) == 5
     assert addresses(5)[0] == "127.0.0.31:8000"
+
+
+@pytest.mark.parametrize(
+    ("strategy", "kind"),
+    [
+        (RANDOM, RandomStrategy),
+        (LEAST_OUTSTANDING, LeastLoadedStrategy),
+        (FIXED, KeyStrategy),
+        (PREFIX_AWARE, LongestMatchStrategy),
+    ],
+)
+def test_each_configuration_decides_through_the_routers_strategy_table(strategy, kind):
+    # The strategy objects the router itself calls, over the replay's own index and fleet.
+    config = ReplayConfig(strategy, 3, CACHE_TOKENS, 4)
+    replayer = Replayer(config, 64, RouterConfig(), ServiceModel())
+    assert type(replayer.routing) is kind
+    if strategy == PREFIX_AWARE:
+        assert replayer.routing.index is replayer.index
