@@ -262,8 +262,12 @@ class DecisionExchange:
             self._drop("settings", count)
             return
         hosts, index, applied = router.hosts.addresses, router.index, 0
+        # A picker with no pool of its own learns the endpoints from each request's subset
+        # hint (kgateway): it takes a sibling's decision for any endpoint it has placed a
+        # request on, since its own answers stay within each request's hint.
+        known = index.host_sizes() if not hosts else {}
         for host, chain in zip(batch.hosts, chains, strict=True):
-            if host in hosts:
+            if host in hosts or host in known:
                 index.record_hashes(host, chain)
                 applied += 1
         self.applied += applied

@@ -24,6 +24,7 @@ from extproc.adapter.decision_exchange import (
 )
 from extproc.adapter.routing import Router
 from extproc.config import RouterConfig
+from extproc.picker.hosts import HostSet
 from extproc.stack.processes import wait_until_async
 
 HOSTS = tuple(f"127.0.0.{21 + i}:8000" for i in range(4))
@@ -102,6 +103,23 @@ def test_a_receiver_applies_what_it_can_and_counts_the_rest_by_reason():
     exchange.apply(batch(sender=8, first=0))
     assert exchange.applied == 3
     assert dict(exchange.dropped) == {"malformed": 2, "unknown_host": 1, "lost": 3, "settings": 1}
+
+
+def test_a_picker_without_a_pool_takes_decisions_for_the_endpoints_it_has_placed_on():
+    # No hosts configured: kgateway's subset hint names each request's endpoints.
+    config = RouterConfig(epp=True, kv_events=False)
+    receiver = Router(config, random.Random(1), clock=lambda: 0.0)
+    assert not receiver.hosts.hosts
+    exchange = DecisionExchange(receiver, None, ())
+    # Before it has placed anything, it knows no endpoint.
+    exchange.apply(batch(hosts=[HOSTS[0]]))
+    assert exchange.applied == 0 and dict(exchange.dropped) == {"unknown_host": 1}
+    placed = receiver.place({}, doc("own"), within=HostSet.of([HOSTS[1]])).decision
+    assert placed.primary == HOSTS[1]
+    exchange.apply(batch(first=1, hosts=[HOSTS[1], HOSTS[2]]))
+    assert exchange.applied == 1 and dict(exchange.dropped) == {"unknown_host": 2}
+    # The sibling's decision now places the sibling's prompt, within the request's hint.
+    assert receiver.index.host_sizes()[HOSTS[1]] > len(CHAIN)
 
 
 async def test_publishing_batches_up_to_batch_max_and_flushes_the_rest_later():
