@@ -13,10 +13,10 @@ import json
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.stack.local import LocalStack, StackSpec
 from extproc.stack.processes import wait_until
+from extproc.stack.prometheus import by_label, scrape
 
 from ..prompts import document
 from ..reliability.test_replicas import ask_replica
@@ -30,24 +30,14 @@ def chat(text: str) -> dict[str, object]:
     return {"model": "sim-model", "max_tokens": 4, "messages": [{"role": "user", "content": text}]}
 
 
-def samples(url: str, family: str) -> dict[tuple[tuple[str, str], ...], float]:
-    text = httpx.get(url, timeout=5).text
-    found: dict[tuple[tuple[str, str], ...], float] = {}
-    for metric in text_string_to_metric_families(text):
-        for sample in metric.samples:
-            if sample.name == family:
-                found[tuple(sorted(sample.labels.items()))] = sample.value
-    return found
-
-
 def host_states(stack: LocalStack, replica: int = 0) -> dict[str, float]:
-    values = samples(stack.replica_metrics_url(replica), "prefix_router_kv_events_hosts")
-    return {dict(labels)["state"]: value for labels, value in values.items()}
+    samples = scrape(stack.replica_metrics_url(replica), timeout_s=5)
+    return by_label(samples, "prefix_router_kv_events_hosts", "state")
 
 
 def engine_blocks(stack: LocalStack, replica: int = 0) -> dict[str, float]:
-    values = samples(stack.replica_metrics_url(replica), "prefix_router_kv_events_blocks")
-    return {dict(labels)["host"]: value for labels, value in values.items()}
+    samples = scrape(stack.replica_metrics_url(replica), timeout_s=5)
+    return by_label(samples, "prefix_router_kv_events_blocks", "host")
 
 
 def all_precise(stack: LocalStack, replicas: int) -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import httpx
 
 from extproc.stack import prometheus
+from extproc.stack.bootstrap import ROUTER_CLUSTER
+from extproc.stack.envoy_admin import envoy_counters
 from extproc.stack.local import LocalStack
 from extproc.stack.processes import wait_until
 
@@ -87,7 +89,8 @@ def decisions_made(stack: LocalStack) -> float:
 
 def router_state(stack: LocalStack) -> str:
     """For a failure's message: the router's decision, load and completion samples,
-    Envoy's ext_proc and router-cluster stats, and the tails of both logs."""
+    Envoy's ext_proc and router-cluster counters and gauges that are not zero, and the
+    tails of both logs."""
     wanted = (
         "prefix_router_decisions_total{",
         "prefix_router_in_flight_requests{",
@@ -97,10 +100,14 @@ def router_state(stack: LocalStack) -> str:
         "prefix_router_load_feed_age_seconds",
     )
     router = httpx.get(stack.router_metrics_url).text.splitlines()
-    envoy = httpx.get(f"{stack.admin_url}/stats?filter=ext_proc|prefix_router\\.").text
+    envoy = {
+        prefix + name: value
+        for prefix in ("http.ingress.ext_proc.", f"cluster.{ROUTER_CLUSTER}.")
+        for name, value in envoy_counters(stack.admin_url, prefix).items()
+    }
     return "\n".join(
         [line for line in router if line.startswith(wanted)]
-        + [line for line in envoy.splitlines() if line.split(": ")[-1] not in ("0", "")]
+        + [f"{name}: {value:.0f}" for name, value in envoy.items() if value]
         + stack.router_log_path(0).read_text().splitlines()[-10:]
         + (stack.work_dir / "envoy.log").read_text().splitlines()[-10:]
     )

@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.sim import server as sim_server
 from extproc.sim.server import SimOptions, serve
+from extproc.stack import prometheus
 from extproc.stack.processes import free_ports_on, tcp_open, wait_until, wait_until_async
 
 HOST = "127.0.0.1"
@@ -74,11 +74,10 @@ async def metric(session: aiohttp.ClientSession, base: str, sample_name: str) ->
     async with session.get(f"{base}/metrics") as response:
         assert response.status == 200
         text = await response.text()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == sample_name:
-                assert sample.labels["model_name"] == "sim-model"
-                return sample.value
+    for (name, labels), value in prometheus.parse(text).items():
+        if name == sample_name:
+            assert dict(labels)["model_name"] == "sim-model"
+            return value
     raise AssertionError(f"{sample_name} not exported")
 
 
@@ -693,12 +692,11 @@ async def test_cache_config_info_states_the_kv_cache_size(
         session.get(f"{base}/metrics") as response,
     ):
         text = await response.text()
-    (sample,) = [
-        s
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "vllm:cache_config_info"
+    ((labels, value),) = [
+        (dict(pairs), value)
+        for (name, pairs), value in prometheus.parse(text).items()
+        if name == "vllm:cache_config_info"
     ]
-    assert sample.value == 1
-    assert (sample.labels["num_gpu_blocks"], sample.labels["block_size"]) == ("321", "32")
+    assert value == 1
+    assert (labels["num_gpu_blocks"], labels["block_size"]) == ("321", "32")
     assert parse_vllm_metrics(text, 0.0).cache_capacity_tokens == 321 * 32

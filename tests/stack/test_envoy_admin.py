@@ -20,6 +20,7 @@ pytestmark = pytest.mark.envoy
 BACKEND_HOSTS = ("127.0.0.11", "127.0.0.12")
 
 
+# The text page on purpose, not envoy_admin's JSON: it is what the JSON reader is checked against.
 def text_hosts(admin_url: str, cluster: str, healthy: bool = False) -> set[str]:
     """Envoy's text /clusters page read line by line: the hosts of ``cluster`` (each has a
     cx_active line), or those whose health flags read "healthy"."""

@@ -7,19 +7,14 @@ from __future__ import annotations
 import random
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.bench.real_vllm import document_text
 from extproc.stack.processes import wait_until
+from extproc.stack.prometheus import by_label, scrape
 
 
 def labelled(url: str, family: str, label: str) -> dict[str, float]:
-    found = {}
-    for metric in text_string_to_metric_families(httpx.get(url, timeout=5).text):
-        for sample in metric.samples:
-            if sample.name == family:
-                found[sample.labels[label]] = sample.value
-    return found
+    return by_label(scrape(url, timeout_s=5), family, label)
 
 
 def chat(document: str, question: str) -> dict[str, object]:
