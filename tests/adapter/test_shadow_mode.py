@@ -157,7 +157,12 @@ def test_a_request_keeps_its_shadow_host_when_an_address_is_reused(monkeypatch):
 
     monkeypatch.setattr(r, "_strategy", DecidingAsOneIsDropped())
     reused = 0
-    for n in range(10):
+    # How often the allocator hands the dropped decision's address to the next one depends
+    # on the heap's state (measured: 4 in 200 rounds with this test run alone; a CI run's
+    # 10 rounds once saw none), so rounds go on until it has happened three times.
+    for n in range(5000):
+        if reused == 3:
+            break
         placement = r.place({}, document(1, n))
         first = id(placement.decision)
         other = next(h for h in HOSTS if h != placement.decision.primary)
@@ -172,7 +177,7 @@ def test_a_request_keeps_its_shadow_host_when_an_address_is_reused(monkeypatch):
         r.finish(moved)
         r.finish(later)
         assert not shadow_of(r).in_flight and not observer.worker.pending
-    assert reused  # the case under test happened
+    assert reused == 3  # the case under test happened
 
 
 def test_a_conversations_next_turn_is_predicted_to_hit_the_reply():
