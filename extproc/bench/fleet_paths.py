@@ -93,18 +93,19 @@ def envoy_changes(path: str) -> BootstrapParams:
 
 
 def our_paths_document(paths: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """Each of our paths in ``paths``: the router settings it runs with, its replicas and
-    the body mode of the Envoy in front of it."""
-    return {
-        path: {
-            "settings": dict(OUR_PATHS[path]),
-            "replicas": REPLICAS.get(path, 1),
-            "body_mode": envoy_changes(path).body_mode,
-            "completion_log": logs_completions(envoy_changes(path)),
-        }
-        for path in paths
-        if path in OUR_PATHS
-    }
+    """Each of our paths in ``paths``: the router settings it runs with, its replicas, and
+    the body mode of the Envoy in front of it and whether it logs completions."""
+    document = {}
+    for path in paths:
+        if path in OUR_PATHS:
+            envoy = envoy_changes(path)
+            document[path] = {
+                "settings": dict(OUR_PATHS[path]),
+                "replicas": REPLICAS.get(path, 1),
+                "body_mode": envoy.body_mode,
+                "completion_log": logs_completions(envoy),
+            }
+    return document
 
 
 def _answers_chat(url: str) -> bool:

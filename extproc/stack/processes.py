@@ -144,8 +144,17 @@ class _Wait:
                 f"{self.what}:\n{process.log_tail()}"
             )
 
-    def expired(self) -> bool:
-        return time.monotonic() >= self.deadline
+    def failed(self, caught: BaseException) -> None:
+        """The predicate raised an error it may raise while the condition is not yet true."""
+        self.error = f"{type(caught).__name__}: {caught}"
+
+    def missed(self, value: object) -> None:
+        """The predicate answered, falsy."""
+        self.last, self.error = value, None
+
+    def raise_if_expired(self) -> None:
+        if time.monotonic() >= self.deadline:
+            raise self.timed_out()
 
     def timed_out(self) -> WaitTimeout:
         message = (
@@ -182,13 +191,12 @@ def wait_until(
         try:
             value = predicate()
         except ignoring as caught:
-            wait.error = f"{type(caught).__name__}: {caught}"
+            wait.failed(caught)
         else:
             if value:
                 return value
-            wait.last, wait.error = value, None
-        if wait.expired():
-            raise wait.timed_out()
+            wait.missed(value)
+        wait.raise_if_expired()
         time.sleep(interval_s)
 
 
@@ -212,13 +220,12 @@ async def wait_until_async(
             if inspect.isawaitable(value):
                 value = await value
         except ignoring as caught:
-            wait.error = f"{type(caught).__name__}: {caught}"
+            wait.failed(caught)
         else:
             if value:
                 return value
-            wait.last, wait.error = value, None
-        if wait.expired():
-            raise wait.timed_out()
+            wait.missed(value)
+        wait.raise_if_expired()
         await asyncio.sleep(interval_s)
 
 

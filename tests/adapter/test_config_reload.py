@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -193,11 +195,21 @@ def test_control_plane_hosts_are_not_touched_by_a_reload(tmp_path: Path) -> None
     assert router.config.control_plane == "127.0.0.1:18000"
 
 
-async def test_run_applies_a_change(tmp_path: Path) -> None:
-    router, reloader, path = start(tmp_path, BASE)
+@contextlib.asynccontextmanager
+async def reloading(reloader: ConfigReloader) -> AsyncIterator[None]:
+    """The reloader's loop, checking every 20 ms, until the block ends (then stopped)."""
     stop = asyncio.Event()
     task = asyncio.create_task(reloader.run(stop, interval_s=0.02))
     try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=5)
+
+
+async def test_run_applies_a_change(tmp_path: Path) -> None:
+    router, reloader, path = start(tmp_path, BASE)
+    async with reloading(reloader):
         write(path, {**BASE, "concurrency_threshold": 11})
         await wait_until_async(
             lambda: router.config.concurrency_threshold == 11,
@@ -205,9 +217,6 @@ async def test_run_applies_a_change(tmp_path: Path) -> None:
             "the new threshold applied",
             interval_s=0.02,
         )
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, timeout=5)
 
 
 def test_switching_to_a_control_plane_keeps_the_static_hosts(tmp_path: Path) -> None:
@@ -275,9 +284,7 @@ async def test_the_reload_task_outlives_an_unexpected_error(
         return load_config(*args, **kwargs)
 
     monkeypatch.setattr("extproc.adapter.service.load_config", broken_once)
-    stop = asyncio.Event()
-    task = asyncio.create_task(reloader.run(stop, interval_s=0.02))
-    try:
+    async with reloading(reloader):
         write(path, {**BASE, "concurrency_threshold": 3})
         await wait_until_async(lambda: calls, 2, "the broken load", interval_s=0.02)
         write(path, {**BASE, "concurrency_threshold": 5})
@@ -287,7 +294,4 @@ async def test_the_reload_task_outlives_an_unexpected_error(
             "the next good reload",
             interval_s=0.02,
         )
-    finally:
-        stop.set()
-        await task
     assert calls >= 2 and router.config.concurrency_threshold == 5

@@ -35,26 +35,15 @@ from extproc.adapter.routing import Router
 from extproc.adapter.service import SERVICE_NAME
 from extproc.config import RouterConfig
 from extproc.stack import prometheus
-from extproc.stack.local import INSTANT_PREFILL
 from extproc.stack.processes import ManagedProcess, free_ports, wait_until
 
 from ..extproc_messages import request_body, request_headers
 from ..prompts import document
-from .exchange import wait_for_subscribers
+from .exchange import APPLIED, PUBLISHED, ROUTING, held_on, wait_for_subscribers
 
 HOSTS = ("127.0.0.81:8000", "127.0.0.82:8000", "127.0.0.83:8000")
 POST = {":method": "POST", ":path": "/v1/chat/completions", "content-type": "application/json"}
 DOCS = range(6)
-# One request in flight fills a host: the next new prompt overflows to its next host.
-# No balance bound, no prefill queue: cost is cache alone.
-ROUTING: dict[str, Any] = {
-    "concurrency_threshold": 1,
-    "balance_factor": None,
-    "kv_events": False,
-    **INSTANT_PREFILL,
-}
-PUBLISHED = "prefix_router_decisions_published_total"
-APPLIED = "prefix_router_sibling_decisions_applied_total"
 IN_FLIGHT = "prefix_router_in_flight_requests"
 
 
@@ -62,10 +51,6 @@ def body(text: str) -> bytes:
     return json.dumps(
         {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": text}]}
     ).encode()
-
-
-def filler(n: int) -> str:
-    return f"filler {n}: " + "a held request that keeps its host busy " * 40
 
 
 def picked(response: ProcessingResponse) -> str:
@@ -190,14 +175,6 @@ def replicas(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Replica
             replica.process.stop(timeout=30)
 
 
-def held_on(pair: Replicas, home: str, doc: int) -> str:
-    """A prompt new to A that A places on ``home``: each filler has one chance in three."""
-    for n in range(100 * doc, 100 * doc + 100):
-        if pair.placement_order(filler(n))[0] == home:
-            return filler(n)
-    raise AssertionError(f"no filler of 100 placed on {home}")
-
-
 def place_away_from_home(pair: Replicas, doc: int) -> tuple[str, str]:
     """Ask A for document ``doc`` while A holds a request on its hash home: returns (its
     home, the endpoint A picked)."""
@@ -205,7 +182,7 @@ def place_away_from_home(pair: Replicas, doc: int) -> tuple[str, str]:
     text = document(doc)
     home = pair.placement_order(text)[0]
     wait_until(a.idle, 10, what="picker A to have nothing in flight")
-    held = Held(a, held_on(pair, home, doc))
+    held = Held(a, held_on(pair.placement_order, home, doc))
     try:
         assert held.host == home
         assert a.metric(IN_FLIGHT) == 1

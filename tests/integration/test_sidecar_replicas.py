@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -27,28 +26,18 @@ import yaml
 from extproc.adapter.routing import Router
 from extproc.config import RouterConfig
 from extproc.stack import prometheus
-from extproc.stack.local import INSTANT_PREFILL, LocalStack, StackSpec
+from extproc.stack.local import LocalStack, StackSpec
 from extproc.stack.processes import ManagedProcess, free_ports, wait_until
 
 from ..prompts import document
-from .exchange import wait_for_subscribers
+from .exchange import APPLIED, PUBLISHED, ROUTING, held_on, wait_for_subscribers
 
 CHAT = "/v1/chat/completions"
 HEADERS = {":method": "POST", ":path": CHAT, "content-type": "application/json"}
 DOCS = range(6)
-# One request in flight fills a host: the next new prompt overflows to its next host.
-# No balance bound, no prefill queue (the simulators answer at once): cost is cache alone.
-ROUTING: dict[str, Any] = {
-    "concurrency_threshold": 1,
-    "balance_factor": None,
-    "kv_events": False,
-    **INSTANT_PREFILL,
-}
 # Answer at once; a held request streams a token every 20 ms until it is cut.
 SIM_ARGS = ("--ttft-ms", "0", "--itl-ms", "20")
 HELD_TOKENS = 1000
-PUBLISHED = "prefix_router_decisions_published_total"
-APPLIED = "prefix_router_sibling_decisions_applied_total"
 
 
 def body(text: str, max_tokens: int = 1, stream: bool = False) -> bytes:
@@ -60,10 +49,6 @@ def body(text: str, max_tokens: int = 1, stream: bool = False) -> bytes:
             "messages": [{"role": "user", "content": text}],
         }
     ).encode()
-
-
-def filler(n: int) -> str:
-    return f"filler {n}: " + "a held request that keeps its host busy " * 40
 
 
 class Sidecars:
@@ -143,20 +128,12 @@ def sidecars(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Sidecar
             pair.oracle.close()
 
 
-def held_on(pair: Sidecars, home: str, doc: int) -> str:
-    """A prompt new to A that A places on ``home``: each filler has one chance in three."""
-    for n in range(100 * doc, 100 * doc + 100):
-        if pair.placement_order(filler(n))[0] == home:
-            return filler(n)
-    raise AssertionError(f"no filler of 100 placed on {home}")
-
-
 def place_away_from_home(pair: Sidecars, doc: int) -> tuple[str, str]:
     """Send document ``doc`` through A while A holds a request on its hash home: returns
     (its home, the host A sent it to)."""
     text = document(doc)
     home = pair.placement_order(text)[0]
-    held = held_on(pair, home, doc)
+    held = held_on(pair.placement_order, home, doc)
     with (
         httpx.Client(base_url=pair.urls[0], timeout=30) as client,
         client.stream("POST", CHAT, content=body(held, HELD_TOKENS, stream=True)) as stream,
