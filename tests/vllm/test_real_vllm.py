@@ -25,8 +25,8 @@ from extproc.stack.vllm import VllmOptions
 
 from .tier import TIER_SCENARIOS, TIER_WORKERS
 
-# The first test also runs the module's fixture: three scenarios on five paths each (one
-# shadowed as well), on three CPU engines sharing two cores (about seven minutes).
+# The first test also runs the module's fixture: three scenarios on four paths each (one
+# shadowed as well), on three CPU engines sharing two cores (about six minutes).
 pytestmark = pytest.mark.timeout(1500)
 
 # At most this share of a path's requests may be moved by load (failed open, retried, shed)
