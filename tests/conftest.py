@@ -14,14 +14,14 @@ that starts a stack with Envoy (the real-vLLM stack), and tests marked by hand e
 ``fast`` is the default tier: ``unit`` tests that do not run Envoy (``pytest -m fast``).
 CI runs every tier.
 
-README's test command runs two pytest-xdist workers (``-n 2 --dist loadgroup``): every
-test of real processes is in one ``xdist_group``, run in order on one worker as in a
-serial run, while the other worker takes the in-process tests (the fast tier and the
-in-process fuzzing), which bind only ports of their own. The group starts with the
-functional tiers (integration, then containers), so that the benchmarks and the real-vLLM
-tier, whose bounds are about speed and load, run once the other worker is done (it has
-about six minutes of work). pytest stays below 9.2 until pytest-xdist groups there again
-(pyproject.toml).
+README's test command runs two pytest-xdist workers (``-n 2 --dist loadgroup``). The
+tests whose bounds are about speed and load (the benchmarks, the reliability tier, real
+vLLM) and those that bind fixed ports (the containers, ``up``'s defaults) are one
+``xdist_group``, run in order on one worker as in a serial run, containers first. The
+other worker takes everything else, one test at a time: the fast tier, the in-process
+fuzzing, and the functional stacks on ports of their own (integration, and unit tests
+behind Envoy); by the time the reliability and real-vLLM tiers start, it is done.
+pytest stays below 9.2 until pytest-xdist groups there again (pyproject.toml).
 """
 
 from __future__ import annotations
@@ -39,11 +39,16 @@ SLOW_TIERS = ("integration", "reliability", "bench", "vllm", "containers")
 ENVOY_TIERS = frozenset({"integration", "reliability"})
 # Fixtures that start a stack with the real Envoy binary in it.
 ENVOY_FIXTURES = frozenset({"vllm_stack"})
-# Slow-tier files that run in process, beside the fast tier (see the docstring).
+# The tiers of the serial group (see the docstring), the first of them first.
+SERIAL_TIERS = ("containers", "bench", "reliability", "vllm")
+# Files there that run in process instead: they go beside the serial group.
 IN_PROCESS = frozenset({TESTS / "reliability" / "test_fuzz.py"})
-# The xdist group of the tests of real processes, and its first tiers, in order.
-STACKS = "stacks"
-STACKS_FIRST = ("integration", "containers")
+# Integration files that bind the stack's default ports or time the event loop.
+SERIAL_FILES = frozenset(
+    TESTS / "integration" / name
+    for name in ("test_up.py", "test_epp_workers.py", "test_event_loop.py")
+)
+SERIAL = "serial"
 
 
 def tier_of(path: Path) -> str:
@@ -65,15 +70,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker("envoy")
         if tier == "unit" and item.get_closest_marker("envoy") is None:
             item.add_marker("fast")
-        elif item.path.resolve() not in IN_PROCESS:
-            item.add_marker(pytest.mark.xdist_group(STACKS))
+        if is_serial(item.path.resolve(), tier):
+            item.add_marker(pytest.mark.xdist_group(SERIAL))
     items[:] = sorted(items, key=run_rank)
 
 
+def is_serial(path: Path, tier: str) -> bool:
+    """Whether a test runs in the serial group (see the docstring)."""
+    return path in SERIAL_FILES or (tier in SERIAL_TIERS and path not in IN_PROCESS)
+
+
 def run_rank(item: pytest.Item) -> int:
-    """Where a test runs: the stacks' functional tiers first, then the rest of the stacks,
-    then the in-process tests (a stable sort keeps the order within each)."""
+    """Where a test runs: the serial group's tiers in SERIAL_TIERS's order, then the
+    serial integration files, then the rest (a stable sort keeps the order within each)."""
     if item.get_closest_marker("xdist_group") is None:
-        return len(STACKS_FIRST) + 1
+        return len(SERIAL_TIERS) + 1
     tier = tier_of(item.path)
-    return STACKS_FIRST.index(tier) if tier in STACKS_FIRST else len(STACKS_FIRST)
+    return SERIAL_TIERS.index(tier) if tier in SERIAL_TIERS else len(SERIAL_TIERS)

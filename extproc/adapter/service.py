@@ -45,6 +45,11 @@ LIVENESS_SERVICE = "liveness"
 # How long SIGTERM keeps accepting new streams while waiting for a health check to report
 # NOT_SERVING (Envoy checks every second), so no stream is refused before Envoy moves on.
 DRAIN_NOTICE_SECONDS = 3.0
+# How long it keeps accepting after that check: Envoy's main thread reads the answer, then
+# tells each worker thread, and a worker may open one more stream here meanwhile (once in
+# a CI run, refused and failed open: a 503 behind original_dst). A few of those hops on a
+# busy machine fit well inside it.
+DRAIN_SETTLE_SECONDS = 0.5
 MAX_MESSAGE_BYTES = 96 * 1024 * 1024
 
 
@@ -182,12 +187,14 @@ class HealthService(health.aio.HealthServicer):
 
     async def drain_notice(self, timeout_s: float = DRAIN_NOTICE_SECONDS) -> None:
         """After ``enter_graceful_shutdown``: wait for the next check (which reports
-        NOT_SERVING), at most ``timeout_s``. No wait if nothing has checked recently."""
+        NOT_SERVING), at most ``timeout_s``, then DRAIN_SETTLE_SECONDS for Envoy's worker
+        threads to learn it. No wait if nothing has checked recently."""
         if self.last_check is None or time.monotonic() - self.last_check > timeout_s:
             return
         self._checked.clear()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._checked.wait(), timeout=timeout_s)
+            await asyncio.sleep(DRAIN_SETTLE_SECONDS)
 
 
 class ConfigReloader:

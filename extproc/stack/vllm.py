@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from extproc.errors import RouterError
-from extproc.stack.processes import ManagedProcess, http_ok, wait_until
+from extproc.stack.processes import ManagedProcess, StackError, http_ok, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL_SCRIPT = REPO / "tests" / "vllm" / "make_tiny_model.py"
@@ -124,6 +124,11 @@ def vllm_env(options: VllmOptions, work_dir: Path) -> dict[str, str]:
     return env | options.extra_env
 
 
+# vLLM names its Unix sockets by a uuid (36 characters) in the instance's directory; a
+# socket's path holds at most 107 bytes.
+MAX_INSTANCE_DIR = 107 - 1 - 36
+
+
 def start_vllm(
     python: str,
     options: VllmOptions,
@@ -132,11 +137,16 @@ def start_vllm(
     ready_timeout_s: float = 300,
 ) -> list[ManagedProcess]:
     """Start one vLLM per address in parallel; return once every one answers /health."""
-    work_dir.mkdir(parents=True, exist_ok=True)
+    # Short names (see MAX_INSTANCE_DIR): a test worker's temporary directory is long already.
+    instance_dirs = [work_dir.absolute() / str(number) for number in range(len(addresses))]
+    if instance_dirs and len(str(instance_dirs[-1])) > MAX_INSTANCE_DIR:
+        raise StackError(
+            f"vLLM's work directory {instance_dirs[-1]} is longer than {MAX_INSTANCE_DIR} "
+            "characters: its Unix sockets would not fit in 107 bytes"
+        )
     processes = []
-    for host, port in addresses:
-        instance_dir = work_dir / f"vllm-{host}-{port}"
-        instance_dir.mkdir(exist_ok=True)
+    for instance_dir, (host, port) in zip(instance_dirs, addresses, strict=True):
+        instance_dir.mkdir(parents=True, exist_ok=True)
         processes.append(
             ManagedProcess(
                 f"vllm-{host}:{port}",

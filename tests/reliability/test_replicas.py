@@ -163,7 +163,7 @@ class _Context:
 async def test_drain_notice_waits_for_the_next_health_check_only_when_checked():
     from grpc_health.v1 import health_pb2
 
-    from extproc.adapter.service import HealthService
+    from extproc.adapter.service import DRAIN_SETTLE_SECONDS, HealthService
 
     unchecked = HealthService()
     started = time.monotonic()
@@ -179,4 +179,7 @@ async def test_drain_notice_waits_for_the_next_health_check_only_when_checked():
     assert not notice.done()  # still accepting streams: Envoy has not been told yet
     answer = await service.Check(request, _Context())
     assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING
-    await asyncio.wait_for(notice, timeout=1)
+    # Envoy's worker threads learn the answer after its main thread: still accepting.
+    await asyncio.sleep(DRAIN_SETTLE_SECONDS / 5)
+    assert not notice.done()
+    await asyncio.wait_for(notice, timeout=DRAIN_SETTLE_SECONDS + 1)
