@@ -30,7 +30,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-import aiohttp
+import httpx
 import structlog
 
 from extproc.config import RouterConfig
@@ -45,6 +45,7 @@ from extproc.events.tokens import (
     find_tokenizer,
 )
 from extproc.events.wire import BlockRemoved, BlockStored
+from extproc.http_client import host_client
 from extproc.index.precise import PreciseHost, SpeculationStats
 from extproc.index.prefix import PrefixIndex
 from extproc.picker.blocks import chain_seed
@@ -102,14 +103,13 @@ def _base_model(listing: object) -> tuple[str | None, str | None]:
     return None, None
 
 
-async def discover(session: aiohttp.ClientSession, host: str) -> Discovered:
+async def discover(client: httpx.AsyncClient, host: str) -> Discovered:
     """Ask ``host`` where it publishes; raises on any failure (asked again later)."""
     async with asyncio.timeout(DISCOVERY_TIMEOUT_S):
-        async with session.get(f"http://{host}/kv_event_sources") as response:
-            if response.status == 404:  # an engine without the endpoint: no events
-                return Discovered((), "", None, None)
-            response.raise_for_status()
-            body: Any = await response.json(content_type=None)
+        response = await client.get(f"http://{host}/kv_event_sources")
+        if response.status_code == 404:  # an engine without the endpoint: no events
+            return Discovered((), "", None, None)
+        body: Any = response.raise_for_status().json()
         sources = tuple(sources_from_kv_event_sources(body, host))
         if not sources:
             return Discovered((), "", None, None)
@@ -118,9 +118,8 @@ async def discover(session: aiohttp.ClientSession, host: str) -> Discovered:
             for rank in body.values():
                 if isinstance(rank, dict) and rank.get("token_ids") == CODEPOINTS:
                     token_ids = CODEPOINTS
-        async with session.get(f"http://{host}/v1/models") as response:
-            response.raise_for_status()
-            model, root = _base_model(await response.json(content_type=None))
+        response = await client.get(f"http://{host}/v1/models")
+        model, root = _base_model(response.raise_for_status().json())
     return Discovered(sources, token_ids, model, root)
 
 
@@ -200,10 +199,10 @@ class KvEventsFeed:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Discovery rounds for hosts without a subscription, until ``stop``."""
-        async with aiohttp.ClientSession() as session:
+        async with host_client() as client:
             try:
                 while not stop.is_set():
-                    await self._discover_round(session)
+                    await self._discover_round(client)
                     self.check_mapping()
                     self._wake.clear()
                     with contextlib.suppress(TimeoutError):
@@ -211,10 +210,10 @@ class KvEventsFeed:
             finally:
                 await self._subscriptions.close()
 
-    async def _discover_round(self, session: aiohttp.ClientSession) -> None:
+    async def _discover_round(self, client: httpx.AsyncClient) -> None:
         pending = [h for h in self._hosts if h not in self._mirrors]
         results = await asyncio.gather(
-            *(discover(session, h) for h in pending), return_exceptions=True
+            *(discover(client, h) for h in pending), return_exceptions=True
         )
         for host, found in zip(pending, results, strict=True):
             if host not in self._hosts:

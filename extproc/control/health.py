@@ -12,11 +12,12 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-import aiohttp
+import httpx
 import structlog
 
 from extproc.control.model import HostHealth
 from extproc.control.rounds import sleep_unless_stopped
+from extproc.http_client import host_client
 
 log = structlog.get_logger("health")
 
@@ -96,30 +97,25 @@ def models_from_listing(listing: object) -> tuple[str, ...]:
     return tuple(sorted(ids))
 
 
-async def probe(session: aiohttp.ClientSession, address: str, timeout_s: float) -> ProbeResult:
+async def probe(client: httpx.AsyncClient, address: str, timeout_s: float) -> ProbeResult:
     """GET /health (must be 2xx), then /v1/models for the served models. Never raises.
 
     Both requests share one `timeout_s` budget, so a round never outlasts the interval.
     """
     deadline = asyncio.get_running_loop().time() + timeout_s
     try:
-        async with (
-            asyncio.timeout_at(deadline),
-            session.get(f"http://{address}/health", allow_redirects=False) as response,
-        ):
-            if not 200 <= response.status < 300:
-                return ProbeResult(False, error=f"/health answered HTTP {response.status}")
-    except TimeoutError:
+        async with asyncio.timeout_at(deadline):
+            health = await client.get(f"http://{address}/health")
+    except (TimeoutError, httpx.TimeoutException):
         return ProbeResult(False, error=f"/health timed out after {timeout_s} s")
-    except Exception as exc:
+    except Exception as exc:  # httpx.HTTPError, InvalidURL: the host failed its probe
         return ProbeResult(False, error=_describe(exc))
+    if not health.is_success:
+        return ProbeResult(False, error=f"/health answered HTTP {health.status_code}")
     try:
-        async with (
-            asyncio.timeout_at(deadline),
-            session.get(f"http://{address}/v1/models", allow_redirects=False) as response,
-        ):
-            response.raise_for_status()
-            models = models_from_listing(await response.json(content_type=None))
+        async with asyncio.timeout_at(deadline):
+            listing = await client.get(f"http://{address}/v1/models")
+        models = models_from_listing(listing.raise_for_status().json())
     except Exception as exc:
         # /health is the liveness signal; a host without a model listing still serves.
         log.debug("health.models_unavailable", address=address, error=_describe(exc))
@@ -133,13 +129,13 @@ class HealthChecker:
     def __init__(
         self,
         policy: HealthPolicy,
-        session_factory: Callable[[], aiohttp.ClientSession] = aiohttp.ClientSession,
+        client_factory: Callable[[], httpx.AsyncClient] = host_client,
     ) -> None:
         self._policy = policy
-        self._session_factory = session_factory
+        self._client_factory = client_factory
         self._states: dict[str, HostHealth] = {}
-        # Open only while run() is; check_once() alone uses a session per round.
-        self._session: aiohttp.ClientSession | None = None
+        # Open only while run() is; check_once() alone uses a client per round.
+        self._client: httpx.AsyncClient | None = None
 
     @property
     def states(self) -> Mapping[str, HostHealth]:
@@ -147,10 +143,10 @@ class HealthChecker:
 
     async def check_once(self, addresses: Iterable[str]) -> Mapping[str, HostHealth]:
         """Probe every address concurrently; hosts no longer listed are forgotten."""
-        if self._session is not None:
-            return await self._check_with(self._session, addresses)
-        async with self._session_factory() as session:
-            return await self._check_with(session, addresses)
+        if self._client is not None:
+            return await self._check_with(self._client, addresses)
+        async with self._client_factory() as client:
+            return await self._check_with(client, addresses)
 
     async def run(
         self,
@@ -166,13 +162,13 @@ class HealthChecker:
         """
         loop = asyncio.get_running_loop()
         published: dict[str, tuple[str, ...]] | None = None
-        async with self._session_factory() as session:
-            self._session = session
+        async with self._client_factory() as client:
+            self._client = client
             try:
                 while not stop.is_set():
                     round_started = loop.time()
                     # A round is bounded by timeout_s, so stop waits at most that long.
-                    states = await self._check_with(session, addresses())
+                    states = await self._check_with(client, addresses())
                     view = _published_view(states)
                     if view != published:
                         published = view
@@ -180,14 +176,14 @@ class HealthChecker:
                     remaining = self._policy.interval_s - (loop.time() - round_started)
                     await sleep_unless_stopped(remaining, stop)
             finally:
-                self._session = None
+                self._client = None
 
     async def _check_with(
-        self, session: aiohttp.ClientSession, addresses: Iterable[str]
+        self, client: httpx.AsyncClient, addresses: Iterable[str]
     ) -> Mapping[str, HostHealth]:
         listed = list(dict.fromkeys(addresses))
         results = await asyncio.gather(
-            *(probe(session, address, self._policy.timeout_s) for address in listed)
+            *(probe(client, address, self._policy.timeout_s) for address in listed)
         )
         states: dict[str, HostHealth] = {}
         for address, result in zip(listed, results, strict=True):
@@ -221,7 +217,9 @@ def _log_transition(address: str, before: HostHealth, after: HostHealth) -> None
 
 
 def _describe(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    # The first line only: httpx's status errors add a second, a link to the status's page.
+    message = str(exc).partition("\n")[0]
+    text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
     return text[:_MAX_ERROR_CHARS]
 
 

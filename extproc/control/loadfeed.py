@@ -13,13 +13,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-import aiohttp
+import httpx
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.control.model import HostLoad
 from extproc.control.rounds import sleep_unless_stopped
 from extproc.errors import RouterError
+from extproc.http_client import host_client
 
 log = structlog.get_logger("loadfeed")
 
@@ -120,7 +121,7 @@ def parse_vllm_metrics(text: str, scraped_at: float) -> HostLoad:
 
 
 async def scrape(
-    session: aiohttp.ClientSession,
+    client: httpx.AsyncClient,
     address: str,
     timeout_s: float,
     clock: Callable[[], float] = time.monotonic,
@@ -132,20 +133,26 @@ async def scrape(
     """
     started = clock()
     try:
-        async with (
-            asyncio.timeout(timeout_s),
-            session.get(f"http://{address}/metrics", allow_redirects=False) as response,
-        ):
-            if not 200 <= response.status < 300:
-                raise LoadFeedError(f"{address}/metrics answered HTTP {response.status}")
-            text = await response.text()
+        async with asyncio.timeout(timeout_s):
+            response = await client.get(f"http://{address}/metrics")
+        if not response.is_success:
+            raise LoadFeedError(f"{address}/metrics answered HTTP {response.status_code}")
+        text = _strict_text(response)
     except LoadFeedError:
         raise
-    except TimeoutError as exc:
+    except (TimeoutError, httpx.TimeoutException) as exc:
         raise LoadFeedError(f"{address}/metrics timed out after {timeout_s} s") from exc
     except Exception as exc:
+        # httpx.HTTPError (connection, protocol, content decoding), InvalidURL, a body that
+        # is not text: each is this host's failure, never the round's.
         raise LoadFeedError(f"{address}/metrics failed: {type(exc).__name__}: {exc}") from exc
     return parse_vllm_metrics(text, scraped_at=started)
+
+
+def _strict_text(response: httpx.Response) -> str:
+    """The body as text; raises UnicodeDecodeError where `response.text` would put U+FFFD
+    in place of the bytes that are not of its charset (UTF-8 unless the header says)."""
+    return response.content.decode(response.encoding or "utf-8")
 
 
 class LoadScraper:
@@ -155,22 +162,22 @@ class LoadScraper:
         self,
         policy: LoadFeedPolicy,
         clock: Callable[[], float] = time.monotonic,
-        session_factory: Callable[[], aiohttp.ClientSession] = aiohttp.ClientSession,
+        client_factory: Callable[[], httpx.AsyncClient] = host_client,
     ) -> None:
         self._policy = policy
         self._clock = clock
-        self._session_factory = session_factory
-        # Open only while run() is; scrape_once() alone uses a session per round.
-        self._session: aiohttp.ClientSession | None = None
+        self._client_factory = client_factory
+        # Open only while run() is; scrape_once() alone uses a client per round.
+        self._client: httpx.AsyncClient | None = None
         # Scrapes that failed since construction, for the control plane's own metrics.
         self.failures = 0
 
     async def scrape_once(self, addresses: Iterable[str]) -> Mapping[str, HostLoad]:
         """Scrape every address concurrently; each costs at most its own timeout."""
-        if self._session is not None:
-            return await self._scrape_with(self._session, addresses)
-        async with self._session_factory() as session:
-            return await self._scrape_with(session, addresses)
+        if self._client is not None:
+            return await self._scrape_with(self._client, addresses)
+        async with self._client_factory() as client:
+            return await self._scrape_with(client, addresses)
 
     async def run(
         self,
@@ -180,24 +187,24 @@ class LoadScraper:
     ) -> None:
         """Scrape every `interval_s` and hand each round's loads to `on_loads` until `stop`."""
         loop = asyncio.get_running_loop()
-        async with self._session_factory() as session:
-            self._session = session
+        async with self._client_factory() as client:
+            self._client = client
             try:
                 while not stop.is_set():
                     round_started = loop.time()
                     # A round is bounded by timeout_s, so stop waits at most that long.
-                    on_loads(await self._scrape_with(session, addresses()))
+                    on_loads(await self._scrape_with(client, addresses()))
                     remaining = self._policy.interval_s - (loop.time() - round_started)
                     await sleep_unless_stopped(remaining, stop)
             finally:
-                self._session = None
+                self._client = None
 
     async def _scrape_with(
-        self, session: aiohttp.ClientSession, addresses: Iterable[str]
+        self, client: httpx.AsyncClient, addresses: Iterable[str]
     ) -> Mapping[str, HostLoad]:
         listed = list(dict.fromkeys(addresses))
         results = await asyncio.gather(
-            *(scrape(session, address, self._policy.timeout_s, self._clock) for address in listed),
+            *(scrape(client, address, self._policy.timeout_s, self._clock) for address in listed),
             return_exceptions=True,
         )
         loads: dict[str, HostLoad] = {}

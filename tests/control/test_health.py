@@ -3,7 +3,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
-import aiohttp
+import httpx
 import pytest
 from aiohttp import web
 from hypothesis import given
@@ -18,6 +18,7 @@ from extproc.control.health import (
     probe,
 )
 from extproc.control.model import HostHealth
+from extproc.http_client import host_client
 from extproc.sim.server import SimOptions, serve
 from extproc.stack.processes import free_port, wait_until_async
 
@@ -212,13 +213,13 @@ def test_models_listing_of_another_shape_is_rejected(listing: object) -> None:
 
 
 async def test_probe_of_a_simulator_learns_its_models() -> None:
-    async with simulator(SIM_HOST, free_port(SIM_HOST)) as address, aiohttp.ClientSession() as s:
+    async with simulator(SIM_HOST, free_port(SIM_HOST)) as address, host_client() as s:
         assert await probe(s, address, timeout_s=2) == ProbeResult(True, models=(MODEL,))
 
 
 async def test_probe_of_a_closed_port_fails_without_raising() -> None:
-    async with aiohttp.ClientSession() as session:
-        result = await probe(session, f"{DEAD_HOST}:{free_port(DEAD_HOST)}", timeout_s=2)
+    async with host_client() as client:
+        result = await probe(client, f"{DEAD_HOST}:{free_port(DEAD_HOST)}", timeout_s=2)
     assert not result.ok
     assert result.error
 
@@ -226,16 +227,16 @@ async def test_probe_of_a_closed_port_fails_without_raising() -> None:
 async def test_probe_needs_a_2xx_health() -> None:
     app = web.Application()
     app.router.add_get("/health", respond_with(503))
-    async with app_server(app, SIM_HOST) as address, aiohttp.ClientSession() as session:
-        result = await probe(session, address, timeout_s=2)
+    async with app_server(app, SIM_HOST) as address, host_client() as client:
+        result = await probe(client, address, timeout_s=2)
     assert result == ProbeResult(False, error="/health answered HTTP 503")
 
 
 async def test_probe_without_a_model_listing_is_ok_with_models_unknown() -> None:
     app = web.Application()
     app.router.add_get("/health", respond_with(200))
-    async with app_server(app, SIM_HOST) as address, aiohttp.ClientSession() as session:
-        assert await probe(session, address, timeout_s=2) == ProbeResult(True, models=None)
+    async with app_server(app, SIM_HOST) as address, host_client() as client:
+        assert await probe(client, address, timeout_s=2) == ProbeResult(True, models=None)
 
 
 async def test_probe_of_a_hung_host_times_out() -> None:
@@ -248,14 +249,50 @@ async def test_probe_of_a_hung_host_times_out() -> None:
 
     app = web.Application()
     app.router.add_get("/health", hang)
-    async with app_server(app, SIM_HOST) as address, aiohttp.ClientSession() as session:
+    async with app_server(app, SIM_HOST) as address, host_client() as client:
         started = time.monotonic()
-        result = await probe(session, address, timeout_s=0.2)
+        result = await probe(client, address, timeout_s=0.2)
         elapsed = time.monotonic() - started
         release.set()
     assert not result.ok
     assert "timed out" in (result.error or "")
     assert elapsed < 1.0
+
+
+async def test_probe_follows_no_redirect() -> None:
+    async def elsewhere(_: web.Request) -> web.Response:
+        raise web.HTTPFound("/healthy-elsewhere")
+
+    app = web.Application()
+    app.router.add_get("/health", elsewhere)
+    app.router.add_get("/healthy-elsewhere", respond_with(200))
+    async with app_server(app, SIM_HOST) as address, host_client() as client:
+        result = await probe(client, address, timeout_s=2)
+    assert result == ProbeResult(False, error="/health answered HTTP 302")
+
+
+async def test_probe_ignores_the_proxy_the_environment_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Nothing listens there: a probe sent through it would fail.
+    proxy = f"http://{DEAD_HOST}:{free_port(DEAD_HOST)}"
+    for variable in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(variable, proxy)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    async with simulator(SIM_HOST, free_port(SIM_HOST)) as address, host_client() as client:
+        assert await probe(client, address, timeout_s=2) == ProbeResult(True, models=(MODEL,))
+
+
+async def test_a_model_listing_that_is_not_json_leaves_the_models_unknown() -> None:
+    async def not_json(_: web.Request) -> web.Response:
+        return web.Response(body=b"\xff{", content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/health", respond_with(200))
+    app.router.add_get("/v1/models", not_json)
+    async with app_server(app, SIM_HOST) as address, host_client() as client:
+        assert await probe(client, address, timeout_s=2) == ProbeResult(True, models=None)
 
 
 # --- checker --------------------------------------------------------------------------
@@ -356,15 +393,43 @@ async def test_run_stops_during_a_long_interval() -> None:
     assert time.monotonic() - started < 0.5
 
 
-async def test_run_closes_its_session() -> None:
-    sessions: list[aiohttp.ClientSession] = []
+async def test_run_closes_its_client() -> None:
+    clients: list[httpx.AsyncClient] = []
 
-    def factory() -> aiohttp.ClientSession:
-        sessions.append(aiohttp.ClientSession())
-        return sessions[-1]
+    def factory() -> httpx.AsyncClient:
+        clients.append(host_client())
+        return clients[-1]
 
     stop = asyncio.Event()
-    checker = HealthChecker(FAST, session_factory=factory)
+    checker = HealthChecker(FAST, client_factory=factory)
     await checker.run(lambda: [], lambda _: stop.set(), stop)
-    assert len(sessions) == 1
-    assert sessions[0].closed
+    assert len(clients) == 1
+    assert clients[0].is_closed
+
+
+async def test_run_probes_a_host_over_one_connection_round_after_round() -> None:
+    connections: set[object] = set()
+
+    async def answer(request: web.Request) -> web.Response:
+        assert request.transport is not None
+        connections.add(request.transport.get_extra_info("peername"))
+        return web.json_response({"data": [{"id": MODEL}]})
+
+    app = web.Application()
+    app.router.add_get("/health", answer)
+    app.router.add_get("/v1/models", answer)
+    rounds = 0
+    stop = asyncio.Event()
+
+    def count_round(_: Mapping[str, HostHealth]) -> None:
+        nonlocal rounds
+        rounds += 1
+
+    async with app_server(app, SIM_HOST) as address:
+        checker = HealthChecker(HealthPolicy(interval_s=0.05, timeout_s=0.05))
+        runner = asyncio.create_task(checker.run(lambda: [address], count_round, stop))
+        # Reported twice: the first round, then the admission at the second.
+        await wait_until_async(lambda: rounds == 2, 10, "the host's admission", interval_s=0.01)
+        stop.set()
+        await runner
+    assert len(connections) == 1

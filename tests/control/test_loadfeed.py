@@ -3,9 +3,10 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Mapping
 
-import aiohttp
+import httpx
 import pytest
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -18,6 +19,7 @@ from extproc.control.loadfeed import (
 )
 from extproc.control.model import HostLoad
 from extproc.errors import RouterError
+from extproc.http_client import host_client
 from extproc.sim.server import SimOptions, serve
 from extproc.stack.processes import free_port
 
@@ -94,6 +96,21 @@ async def simulator(host: str) -> AsyncIterator[str]:
 
 
 @contextlib.asynccontextmanager
+async def metrics_server(host: str, answer: Handler) -> AsyncIterator[str]:
+    """A host whose /metrics is `answer`."""
+    app = web.Application()
+    app.router.add_get("/metrics", answer)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.1)
+    await runner.setup()
+    port = free_port(host)
+    try:
+        await web.TCPSite(runner, host, port).start()
+        yield f"{host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
 async def hung_metrics_server(host: str) -> AsyncIterator[str]:
     """A host whose /metrics never answers until the test is done with it."""
     release = asyncio.Event()
@@ -103,24 +120,17 @@ async def hung_metrics_server(host: str) -> AsyncIterator[str]:
             await release.wait()
         return web.Response(text="")
 
-    app = web.Application()
-    app.router.add_get("/metrics", hang)
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.1)
-    await runner.setup()
-    port = free_port(host)
     try:
-        await web.TCPSite(runner, host, port).start()
-        yield f"{host}:{port}"
+        async with metrics_server(host, hang) as address:
+            yield address
     finally:
         release.set()
-        await runner.cleanup()
 
 
-async def send_chat(session: aiohttp.ClientSession, address: str, content: str) -> None:
+async def send_chat(client: httpx.AsyncClient, address: str, content: str) -> None:
     body = {"model": "sim-model", "messages": [{"role": "user", "content": content}]}
-    async with session.post(f"http://{address}/v1/chat/completions", json=body) as response:
-        assert response.status == 200
-        await response.read()
+    response = await client.post(f"http://{address}/v1/chat/completions", json=body)
+    assert response.status_code == 200
 
 
 # --- policy ---------------------------------------------------------------------------
@@ -196,10 +206,10 @@ def test_parse_never_fails_with_anything_but_load_feed_error(text: str) -> None:
 async def test_scrape_of_a_simulator_sees_prefix_cache_hits() -> None:
     # Two identical prompts of several whole cache blocks: the second one hits.
     prompt = "The quick brown fox jumps over the lazy dog. " * 12
-    async with simulator(SIM_HOST) as address, aiohttp.ClientSession() as session:
+    async with simulator(SIM_HOST) as address, host_client() as client:
         for _ in range(2):
-            await send_chat(session, address, prompt)
-        load = await scrape(session, address, timeout_s=2, clock=lambda: 42.0)
+            await send_chat(client, address, prompt)
+        load = await scrape(client, address, timeout_s=2, clock=lambda: 42.0)
     assert load.prefix_cache_hits > 0
     assert load.prefix_cache_queries > load.prefix_cache_hits
     assert 0 < load.kv_cache_usage <= 1
@@ -208,9 +218,63 @@ async def test_scrape_of_a_simulator_sees_prefix_cache_hits() -> None:
 
 
 async def test_scrape_of_a_dead_host_raises_load_feed_error() -> None:
-    async with aiohttp.ClientSession() as session:
-        with pytest.raises(LoadFeedError, match="metrics failed"):
-            await scrape(session, f"{OTHER_HOST}:{free_port(OTHER_HOST)}", timeout_s=1)
+    async with host_client() as client:
+        with pytest.raises(LoadFeedError, match="metrics failed: ConnectError"):
+            await scrape(client, f"{OTHER_HOST}:{free_port(OTHER_HOST)}", timeout_s=1)
+
+
+async def test_scrape_needs_a_2xx_answer() -> None:
+    async def unavailable(_: web.Request) -> web.Response:
+        return web.Response(status=503, text=VLLM_METRICS)
+
+    async with metrics_server(SIM_HOST, unavailable) as address, host_client() as client:
+        with pytest.raises(LoadFeedError, match="/metrics answered HTTP 503"):
+            await scrape(client, address, timeout_s=2)
+
+
+async def test_scrape_follows_no_redirect() -> None:
+    async def elsewhere(_: web.Request) -> web.Response:
+        raise web.HTTPMovedPermanently("/metrics/")
+
+    async with metrics_server(SIM_HOST, elsewhere) as address, host_client() as client:
+        with pytest.raises(LoadFeedError, match="/metrics answered HTTP 301"):
+            await scrape(client, address, timeout_s=2)
+
+
+@pytest.mark.parametrize(
+    ("body", "charset"),
+    [
+        # Valid text but for one byte, in a comment the parser would skip.
+        (b"# HELP \xff\n" + VLLM_METRICS.encode(), None),
+        (b"vllm:num_requests_running 1\n\xe9\n", "utf-8"),
+    ],
+)
+async def test_a_body_that_is_not_text_of_its_charset_raises_load_feed_error(
+    body: bytes, charset: str | None
+) -> None:
+    async def answer(_: web.Request) -> web.Response:
+        return web.Response(body=body, content_type="text/plain", charset=charset)
+
+    async with metrics_server(SIM_HOST, answer) as address, host_client() as client:
+        with pytest.raises(LoadFeedError, match="UnicodeDecodeError"):
+            await scrape(client, address, timeout_s=2)
+
+
+async def test_a_body_in_the_charset_it_names_is_read() -> None:
+    async def latin1(_: web.Request) -> web.Response:
+        text = "# HELP vllm:num_requests_running caf\u00e9\nvllm:num_requests_running 2\n"
+        return web.Response(
+            body=text.encode("latin-1"), content_type="text/plain", charset="latin-1"
+        )
+
+    async with metrics_server(SIM_HOST, latin1) as address, host_client() as client:
+        assert (await scrape(client, address, timeout_s=2)).running == 2.0
+
+
+async def test_a_timed_out_scrape_says_so() -> None:
+    async with hung_metrics_server(OTHER_HOST) as hung, host_client() as client:
+        with pytest.raises(LoadFeedError, match=r"timed out after 0\.1 s"):
+            await scrape(client, hung, timeout_s=0.1)
 
 
 async def test_scrape_once_leaves_out_and_counts_a_dead_host() -> None:
@@ -252,6 +316,44 @@ async def test_run_feeds_each_round_and_stops_promptly() -> None:
     assert all(set(loads) == {address} for loads in rounds)
     # Each round is stamped by the injected clock.
     assert [loads[address].scraped_at for loads in rounds] == [0, 1, 2]
+
+
+async def test_run_scrapes_a_host_over_one_connection_round_after_round() -> None:
+    connections: set[object] = set()
+
+    async def answer(request: web.Request) -> web.Response:
+        assert request.transport is not None
+        connections.add(request.transport.get_extra_info("peername"))
+        return web.Response(text=VLLM_METRICS)
+
+    scraper = LoadScraper(LoadFeedPolicy(interval_s=0.05, timeout_s=0.05))
+    rounds: list[Mapping[str, HostLoad]] = []
+    stop = asyncio.Event()
+
+    def on_loads(loads: Mapping[str, HostLoad]) -> None:
+        rounds.append(loads)
+        if len(rounds) == 3:
+            stop.set()
+
+    async with metrics_server(SIM_HOST, answer) as address:
+        async with asyncio.timeout(5):
+            await scraper.run(lambda: [address], on_loads, stop)
+    assert all(loads[address].running == 6.0 for loads in rounds)
+    assert len(connections) == 1
+
+
+async def test_run_closes_its_client() -> None:
+    clients: list[httpx.AsyncClient] = []
+
+    def factory() -> httpx.AsyncClient:
+        clients.append(host_client())
+        return clients[-1]
+
+    stop = asyncio.Event()
+    scraper = LoadScraper(LoadFeedPolicy(), client_factory=factory)
+    await scraper.run(lambda: [], lambda _: stop.set(), stop)
+    assert len(clients) == 1
+    assert clients[0].is_closed
 
 
 async def test_run_stops_during_a_long_interval() -> None:
