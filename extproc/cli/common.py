@@ -22,7 +22,7 @@ EXIT_USAGE = 2
 # extra's other packages are programs the benchmarks run when they are there). A command
 # that needs an extra looks for them before it starts (``require_extra``), so a base
 # install names what to install instead of ending in a traceback, maybe half-way through.
-EXTRAS: dict[str, tuple[str, ...]] = {"bench": ("httpx", "matplotlib")}
+EXTRAS: dict[str, tuple[str, ...]] = {"bench": ("matplotlib",)}
 # The benchmark harness: the packages the router's image leaves out (docker/Dockerfile,
 # .dockerignore), and the commands that run it. No runtime module imports them (the
 # harness-only-from-harness import contract); the CLI loads a harness command's module by
