@@ -9,6 +9,7 @@ answer or a wrong one, is an ``httpx.HTTPError``: what ``wait_until`` counts as 
 from __future__ import annotations
 
 import functools
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 
 import httpx
 
@@ -19,8 +20,12 @@ def _client() -> httpx.Client:
     # takes some 50 ms, against 1 to 2 ms for a request on loopback, and the stack polls
     # every 50 ms. No kept-alive connections, as with urllib before: a new connection per
     # request is what spreads requests over Envoy's workers (open_completion_logs), and no
-    # idle socket is held to a process the stack stops or restarts.
-    return httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+    # idle socket is held to a process the stack stops or restarts. A jar that takes no
+    # cookie: no request carries what an earlier response set.
+    return httpx.Client(
+        limits=httpx.Limits(max_keepalive_connections=0),
+        cookies=CookieJar(DefaultCookiePolicy(allowed_domains=[])),
+    )
 
 
 def get(url: str, timeout_s: float) -> httpx.Response:

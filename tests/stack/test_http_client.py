@@ -25,6 +25,7 @@ class Server(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int]) -> None:
         super().__init__(address, Handler)
         self.peers: list[tuple[str, int]] = []
+        self.cookies: list[str | None] = []
         self.bodies: list[bytes] = []
 
 
@@ -36,8 +37,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self.server.peers.append(self.client_address)
+        self.server.cookies.append(self.headers["cookie"])
         if self.path == "/metrics":
-            self._answer(200, METRICS)
+            self._answer(200, METRICS, {"set-cookie": "session=1; Path=/"})
         elif self.path == "/moved":
             self._answer(302, b"", {"location": "/metrics"})
         elif self.path == "/unavailable":
@@ -47,6 +49,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         self.server.peers.append(self.client_address)
+        self.server.cookies.append(self.headers["cookie"])
         self.server.bodies.append(self.rfile.read(int(self.headers["content-length"])))
         self._answer(200, b"{}")
 
@@ -83,6 +86,7 @@ def test_a_2xx_answer_is_read_and_each_request_has_a_connection_of_its_own(serve
     assert state.bodies == [b'{"a": 1}']
     assert len(state.peers) == 3
     assert len(set(state.peers)) == 3  # three source ports: no connection was reused
+    assert state.cookies == [None, None, None]  # /metrics set one; no later request sent it
 
 
 @pytest.mark.parametrize("path", ["/unavailable", "/missing", "/moved"])
