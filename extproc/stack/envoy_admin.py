@@ -1,21 +1,23 @@
 """The harness's one reader of Envoy's admin interface: its stats (``/stats?format=json``),
 its clusters' hosts (``/clusters?format=json``) and its worker count (``/server_info``),
-read as JSON.
+read as JSON. Each read raises ``httpx.HTTPError`` when Envoy does not answer, or answers
+other than 2xx (extproc/stack/http_client.py).
 
-Standard library only: the local stack (``prefix-router up``) runs on a base install."""
+Standard library and httpx only: the local stack (``prefix-router up``) runs on a base
+install."""
 
 from __future__ import annotations
 
 import json
 import re
 import urllib.parse
-import urllib.request
 from typing import Any
+
+from extproc.stack import http_client
 
 
 def _get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=2) as response:
-        return json.loads(response.read())
+    return json.loads(http_client.get(url, timeout_s=2).content)
 
 
 def envoy_counters(admin_url: str, prefix: str) -> dict[str, float]:

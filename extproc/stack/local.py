@@ -10,8 +10,6 @@ import shutil
 import sys
 import tempfile
 import time
-import urllib.parse
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -20,7 +18,7 @@ from typing import Any
 import yaml
 
 from extproc import ports
-from extproc.stack import envoy_admin
+from extproc.stack import envoy_admin, http_client
 from extproc.stack.bootstrap import BodyMode, BootstrapParams, Mode, render
 from extproc.stack.envoy_admin import envoy_counters as envoy_counters
 from extproc.stack.processes import (
@@ -454,13 +452,12 @@ class LocalStack:
         for _ in range(200):
             if all_open() or time.monotonic() > deadline:
                 break
-            request = urllib.request.Request(
+            http_client.post(
                 f"{url}/v1/chat/completions",
-                data=body,
-                headers={"content-type": "application/json", "connection": "close"},
+                body,
+                {"content-type": "application/json", "connection": "close"},
+                timeout_s=10,
             )
-            with urllib.request.urlopen(request, timeout=10) as response:
-                response.read()
         if not all_open():
             raise StackError(
                 f"Envoy's {workers} workers did not all open an access log stream to each "

@@ -18,12 +18,14 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.request
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+import httpx
+
 from extproc.errors import RouterError
+from extproc.stack import http_client
 
 
 class StackError(RouterError):
@@ -113,6 +115,10 @@ class ManagedProcess:
 
 # How often wait_until polls: a condition's time is known to within this much.
 POLL_INTERVAL_S = 0.05
+# The errors wait_until counts as "not yet" by default: a server still starting refuses
+# connections (OSError), and the stack's HTTP reads raise httpx.HTTPError for that, for a
+# server that answers but not yet with 2xx, or one not yet speaking HTTP.
+NOT_YET: tuple[type[BaseException], ...] = (OSError, httpx.HTTPError)
 
 
 class WaitTimeout(StackError, AssertionError):
@@ -175,16 +181,17 @@ def wait_until(
     process: ManagedProcess | None = None,
     *,
     interval_s: float = POLL_INTERVAL_S,
-    ignoring: tuple[type[BaseException], ...] = (OSError,),
+    ignoring: tuple[type[BaseException], ...] = NOT_YET,
 ) -> T:
     """Poll ``predicate`` every ``interval_s`` until it returns a truthy value, and return
     that value: the one way the stack, the benchmarks and the tests wait for something
     instead of sleeping a fixed time.
 
-    Errors of the types in ``ignoring`` count as "not yet" (by default OSError: a server
-    still starting); any other propagates. After ``timeout_s``, WaitTimeout naming
-    ``what``, the last value and the last ignored error. With ``process``, a StackError
-    with its log's tail as soon as it exits, and its tail in a timeout's message too."""
+    Errors of the types in ``ignoring`` count as "not yet" (by default ``NOT_YET``, OSError
+    and httpx.HTTPError: a server still starting); any other propagates. After
+    ``timeout_s``, WaitTimeout naming ``what``, the last value and the last ignored error.
+    With ``process``, a StackError with its log's tail as soon as it exits, and its tail
+    in a timeout's message too."""
     wait = _Wait(timeout_s, what, process)
     while True:
         wait.check_process()
@@ -207,7 +214,7 @@ async def wait_until_async(
     process: ManagedProcess | None = None,
     *,
     interval_s: float = POLL_INTERVAL_S,
-    ignoring: tuple[type[BaseException], ...] = (OSError,),
+    ignoring: tuple[type[BaseException], ...] = NOT_YET,
 ) -> T:
     """``wait_until`` for a caller on an event loop: it sleeps with ``asyncio.sleep``, so
     the loop's tasks run between polls, and awaits ``predicate``'s result when that is
@@ -235,8 +242,9 @@ def tcp_open(host: str, port: int) -> bool:
 
 
 def http_ok(url: str) -> bool:
-    with urllib.request.urlopen(url, timeout=1) as response:
-        return bool(200 <= response.status < 300)
+    """True when ``url`` answers 2xx within 1 s; raises ``httpx.HTTPError`` otherwise (to
+    ``wait_until``, "not yet")."""
+    return http_client.get(url, timeout_s=1).is_success
 
 
 # Ports we choose lie below the kernel's ephemeral range. A client polling a port in

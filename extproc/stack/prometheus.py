@@ -1,16 +1,17 @@
 """The harness's one reader of Prometheus text: the samples at a /metrics endpoint (our
 routers', the control plane's, the simulators', vLLM's), parsed by prometheus_client.
 
-Standard library and prometheus_client only: the local stack (``prefix-router up``) runs
-on a base install."""
+httpx and prometheus_client only: the local stack (``prefix-router up``) runs on a base
+install."""
 
 from __future__ import annotations
 
-import http.client
-import urllib.request
 from collections.abc import Mapping
 
+import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.stack import http_client
 
 Labels = tuple[tuple[str, str], ...]
 Samples = Mapping[tuple[str, Labels], float]
@@ -27,10 +28,8 @@ def parse(text: str) -> Samples:
 
 def scrape(url: str, timeout_s: float = 2.0) -> Samples:
     """Every sample at a Prometheus endpoint, keyed by (name, sorted labels); raises
-    OSError (or http.client.HTTPException) when the endpoint does not answer."""
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:
-        text = response.read().decode()
-    return parse(text)
+    ``httpx.HTTPError`` when the endpoint does not answer, or answers other than 2xx."""
+    return parse(http_client.get(url, timeout_s).content.decode())
 
 
 def scrape_metric(url: str, name: str) -> float | None:
@@ -38,7 +37,7 @@ def scrape_metric(url: str, name: str) -> float | None:
     endpoint does not answer or has no such sample."""
     try:
         samples = scrape(url)
-    except (OSError, http.client.HTTPException):  # not up yet, or not an HTTP server
+    except httpx.HTTPError:  # not up yet, not an HTTP server, or not serving /metrics
         return None
     return samples.get((name, ()))
 

@@ -28,7 +28,7 @@ def test_the_modules_looked_for_are_what_the_bench_extra_installs():
     assert set(BENCH_MODULES) == {"matplotlib"}
     assert set(BENCH_MODULES) <= names  # their distributions are named as the modules
     assert not set(BENCH_MODULES) & base
-    # The project's one HTTP client is the runtime's too, so a base install has it.
+    # The project's one HTTP client: the runtime and the local stack use it too.
     assert "httpx" in base
     assert "httpx" not in names
     assert "envoy-prefix-router[bench]" in extras["test"]

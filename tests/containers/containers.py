@@ -6,7 +6,6 @@ its bridge off. Configs are rendered to a directory mounted read-only.
 
 from __future__ import annotations
 
-import http.client
 import itertools
 import os
 from collections.abc import Callable
@@ -71,7 +70,7 @@ def metric(url: str, name: str, **labels: str) -> float | None:
     or has no such sample."""
     try:
         samples = prometheus.scrape(url)
-    except (OSError, http.client.HTTPException):  # not up yet
+    except httpx.HTTPError:  # not up yet
         return None
     return samples.get((name, tuple(sorted(labels.items()))))
 

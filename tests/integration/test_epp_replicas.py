@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 import yaml
 
@@ -158,7 +159,7 @@ def replicas(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Replica
                     lambda r=replica: r.metric("prefix_router_hosts") == len(HOSTS),
                     60,
                     what=f"picker {replica.name} to know the hosts",
-                    ignoring=(OSError,),
+                    ignoring=(OSError, httpx.HTTPError),
                 )
             except AssertionError as error:
                 raise AssertionError(f"{error}\n{replica.process.log_tail(40)}") from None

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -61,7 +62,7 @@ def picker(tmp_path: Path) -> Iterator[ManagedProcess]:
                     lambda p=port: hosts_known(p) == len(HOSTS),
                     60,
                     what=f"the worker with metrics on {port} to know the hosts",
-                    ignoring=(OSError,),
+                    ignoring=(OSError, httpx.HTTPError),
                 )
             except AssertionError as error:
                 raise AssertionError(f"{error}\n{process.log_tail(40)}") from None

@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
-import aiohttp
+import httpx
 import pytest
 import zmq
 import zmq.asyncio
@@ -42,7 +42,7 @@ from extproc.stack.processes import free_ports_on, port_is_free
 
 HOST = "127.0.0.1"
 BLOCK_CHARS = 64  # the default 16 tokens x 4 chars
-CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=30)
+CLIENT_TIMEOUT = httpx.Timeout(30)
 VLLM_SOURCE_KEYS = [
     "enable_kv_cache_events",
     "publisher",
@@ -53,6 +53,19 @@ VLLM_SOURCE_KEYS = [
     "max_queue_size",
     "topic",
 ]
+
+
+def new_client() -> httpx.AsyncClient:
+    # trust_env=False: requests go straight to the simulator, whatever proxy the
+    # environment names.
+    return httpx.AsyncClient(timeout=CLIENT_TIMEOUT, trust_env=False)
+
+
+def json_of(response: httpx.Response) -> Any:
+    """The response's JSON body; its Content-Type must say it is JSON."""
+    mimetype = response.headers["content-type"].partition(";")[0].strip().lower()
+    assert mimetype == "application/json", response.headers["content-type"]
+    return response.json()
 
 
 def chatml(content: str) -> str:
@@ -381,8 +394,8 @@ Post = Callable[..., Any]
 @contextlib.asynccontextmanager
 async def simulator(
     host: str = HOST, **overrides: Any
-) -> AsyncIterator[tuple[str, aiohttp.ClientSession]]:
-    """One instance with KV events on free ports; yields its URL and a client session."""
+) -> AsyncIterator[tuple[str, httpx.AsyncClient]]:
+    """One instance with KV events on free ports; yields its URL and an HTTP client."""
     [port] = free_ports_on(1, [host])
     options = SimOptions(
         **{"kv_events": True, "kv_events_port": 0, "kv_events_replay_port": 0, **overrides}
@@ -396,25 +409,24 @@ async def simulator(
         server.result()
     assert done, "simulator did not bind within 10 s"
     try:
-        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
-            yield f"http://{host}:{port}", session
+        async with new_client() as client:
+            yield f"http://{host}:{port}", client
     finally:
         server.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await server
 
 
-async def sources(session: aiohttp.ClientSession, base: str) -> dict[str, Any]:
-    async with session.get(f"{base}/kv_event_sources") as response:
-        assert response.status == 200
-        assert response.content_type == "application/json"
-        body: dict[str, Any] = await response.json()
-        return body
+async def sources(client: httpx.AsyncClient, base: str) -> dict[str, Any]:
+    response = await client.get(f"{base}/kv_event_sources")
+    assert response.status_code == 200
+    body: dict[str, Any] = json_of(response)  # application/json, or it fails
+    return body
 
 
 @contextlib.asynccontextmanager
-async def reading(session: aiohttp.ClientSession, base: str) -> AsyncIterator[EventReader]:
-    rank = (await sources(session, base))["0"]
+async def reading(client: httpx.AsyncClient, base: str) -> AsyncIterator[EventReader]:
+    rank = (await sources(client, base))["0"]
     reader = EventReader(rank["endpoint"], rank["replay_endpoint"])
     try:
         yield reader
@@ -423,22 +435,22 @@ async def reading(session: aiohttp.ClientSession, base: str) -> AsyncIterator[Ev
 
 
 async def chat(
-    session: aiohttp.ClientSession, base: str, content: str, max_tokens: int, **extra: Any
+    client: httpx.AsyncClient, base: str, content: str, max_tokens: int, **extra: Any
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": "sim-model",
         "messages": [{"role": "user", "content": content}],
     }
     body.update(max_tokens=max_tokens, **extra)
-    async with session.post(f"{base}/v1/chat/completions", json=body) as response:
-        assert response.status == 200, await response.text()
-        reply: dict[str, Any] = await response.json()
-        return reply
+    response = await client.post(f"{base}/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    reply: dict[str, Any] = json_of(response)
+    return reply
 
 
 async def test_kv_event_sources_has_vllms_shape() -> None:
-    async with simulator() as (base, session):
-        body = await sources(session, base)
+    async with simulator() as (base, client):
+        body = await sources(client, base)
     assert list(body) == ["0"]
     rank = body["0"]
     assert list(rank) == [*VLLM_SOURCE_KEYS, "token_ids"]
@@ -453,8 +465,8 @@ async def test_kv_event_sources_has_vllms_shape() -> None:
 
 async def test_fixed_ports_are_reported_as_vllm_reports_its_wildcard() -> None:
     port, replay_port = free_ports_on(2, [HOST])
-    async with simulator(kv_events_port=port, kv_events_replay_port=replay_port) as (base, session):
-        rank = (await sources(session, base))["0"]
+    async with simulator(kv_events_port=port, kv_events_replay_port=replay_port) as (base, client):
+        rank = (await sources(client, base))["0"]
         # vLLM answers with its configured endpoint; the consumer puts in the host.
         assert (rank["endpoint"], rank["replay_endpoint"]) == (
             f"tcp://*:{port}",
@@ -463,7 +475,7 @@ async def test_fixed_ports_are_reported_as_vllm_reports_its_wildcard() -> None:
         assert not port_is_free(HOST, port) and not port_is_free(HOST, replay_port)
         reader = EventReader(f"tcp://{HOST}:{port}", f"tcp://{HOST}:{replay_port}")
         try:
-            await chat(session, base, "x" * 200, 1)
+            await chat(client, base, "x" * 200, 1)
             [batch] = await reader.take(1)
             assert stored(batch.events)
         finally:
@@ -483,9 +495,9 @@ async def test_events_off_serve_empty_sources_and_bind_nothing(
     assert SimOptions().kv_events is False
     async with simulator(
         kv_events=False, kv_events_port=port, kv_events_replay_port=replay_port
-    ) as (base, session):
-        assert await sources(session, base) == {}
-        await chat(session, base, "x" * 200, 20)
+    ) as (base, client):
+        assert await sources(client, base) == {}
+        await chat(client, base, "x" * 200, 20)
         assert port_is_free(HOST, port) and port_is_free(HOST, replay_port)
 
 
@@ -497,8 +509,8 @@ async def test_chat_publishes_its_prompt_then_its_output_blocks() -> None:
     sequence = prompt + reply_text(max_tokens)[:-4]
     chain = PrefixCache(1).block_hashes(sequence)
     assert (len(prompt) // BLOCK_CHARS, len(chain)) == (3, 6)
-    async with simulator() as (base, session), reading(session, base) as reader:
-        await chat(session, base, content, max_tokens)
+    async with simulator() as (base, client), reading(client, base) as reader:
+        await chat(client, base, content, max_tokens)
         first, second = await reader.take(2)
         [prompt_event] = first.events
         [output_event] = second.events
@@ -513,19 +525,19 @@ async def test_chat_publishes_its_prompt_then_its_output_blocks() -> None:
         assert first.data_parallel_rank in (None, 0)
 
         # The same request again: every block is cached, so nothing is stored or sent.
-        await chat(session, base, content, max_tokens)
+        await chat(client, base, content, max_tokens)
         await reader.assert_no_more()
         # A request shorter than one block stores nothing either.
-        await chat(session, base, "hi", 1)
+        await chat(client, base, "hi", 1)
         await reader.assert_no_more()
 
 
 async def test_sequence_numbers_count_from_zero_and_the_sub_gets_them_live() -> None:
-    async with simulator() as (base, session), reading(session, base) as reader:
+    async with simulator() as (base, client), reading(client, base) as reader:
         # Until its subscription reaches the publisher a SUB hears nothing; requests with
         # new prompts until one batch comes live (bounded).
         for attempt in range(50):
-            await chat(session, base, f"probe {attempt} " * 30, 1)
+            await chat(client, base, f"probe {attempt} " * 30, 1)
             await reader.take(1)
             if reader.live:
                 break
@@ -533,7 +545,7 @@ async def test_sequence_numbers_count_from_zero_and_the_sub_gets_them_live() -> 
         assert reader.next_seq == attempt + 1  # one batch per request, from seq 0
         live = reader.live
         for index in range(3):
-            await chat(session, base, f"more {index} " * 30, 1)
+            await chat(client, base, f"more {index} " * 30, 1)
         await reader.take(3)
         assert reader.live == live + 3
 
@@ -541,12 +553,12 @@ async def test_sequence_numbers_count_from_zero_and_the_sub_gets_them_live() -> 
 async def test_eviction_publishes_exactly_the_evicted_blocks() -> None:
     first, second = "a" * 200, "b" * 200
     async with (
-        simulator(capacity_blocks=4) as (base, session),
-        reading(session, base) as reader,
+        simulator(capacity_blocks=4) as (base, client),
+        reading(client, base) as reader,
     ):
-        await chat(session, base, first, 1)
+        await chat(client, base, first, 1)
         await reader.take(1)
-        await chat(session, base, second, 1)
+        await chat(client, base, second, 1)
         [batch] = await reader.take(1)
     kept = PrefixCache(4)
     kept.lookup_and_insert(chatml(first))
@@ -561,14 +573,14 @@ async def test_eviction_publishes_exactly_the_evicted_blocks() -> None:
 
 
 async def test_reset_is_published_with_the_next_step_as_vllm_does() -> None:
-    async with simulator() as (base, session), reading(session, base) as reader:
-        await chat(session, base, "x" * 200, 1)
+    async with simulator() as (base, client), reading(client, base) as reader:
+        await chat(client, base, "x" * 200, 1)
         await reader.take(1)
-        async with session.post(f"{base}/reset_prefix_cache") as response:
-            assert response.status == 200
+        response = await client.post(f"{base}/reset_prefix_cache")
+        assert response.status_code == 200
         # vLLM's engine publishes at the end of a step; an idle one has none.
         await reader.assert_no_more()
-        await chat(session, base, "x" * 200, 1)
+        await chat(client, base, "x" * 200, 1)
         [batch] = await reader.take(1)
     cleared, again = batch.events
     assert cleared == AllBlocksCleared()
@@ -581,14 +593,14 @@ async def test_engine_model_publishes_per_step_with_the_salt() -> None:
     prompt = chatml(content)
     sequence = prompt + reply_text(max_tokens)[:-4]
     async with (
-        simulator(timing="model", time_scale=0.0) as (base, session),
-        reading(session, base) as reader,
+        simulator(timing="model", time_scale=0.0) as (base, client),
+        reading(client, base) as reader,
     ):
-        await chat(session, base, content, max_tokens, cache_salt="tenant")
+        await chat(client, base, content, max_tokens, cache_salt="tenant")
         admitted, finished = await reader.take(2)
-        await chat(session, base, content, max_tokens)  # unsalted: another chain
+        await chat(client, base, content, max_tokens)  # unsalted: another chain
         unsalted, _ = await reader.take(2)
-        await chat(session, base, content, max_tokens, cache_salt="tenant")
+        await chat(client, base, content, max_tokens, cache_salt="tenant")
         await reader.assert_no_more()
     salted_chain = PrefixCache(1).block_hashes(sequence, "tenant")
     [head] = admitted.events
@@ -606,11 +618,11 @@ async def test_engine_model_publishes_per_step_with_the_salt() -> None:
 
 
 async def test_a_bad_cache_salt_is_a_400_as_in_vllm() -> None:
-    async with simulator() as (base, session):
+    async with simulator() as (base, client):
         body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "cache_salt": ""}
-        async with session.post(f"{base}/v1/chat/completions", json=body) as response:
-            assert response.status == 400
-            assert "cache_salt" in json.dumps(await response.json())
+        response = await client.post(f"{base}/v1/chat/completions", json=body)
+        assert response.status_code == 400
+        assert "cache_salt" in json.dumps(json_of(response))
 
 
 async def test_instances_on_distinct_ips_share_port_numbers() -> None:
@@ -628,8 +640,8 @@ async def test_instances_on_distinct_ips_share_port_numbers() -> None:
             EventReader(f"tcp://{h}:{events_port}", f"tcp://{h}:{replay_port}") for h in hosts
         ]
         try:
-            async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
-                await chat(session, f"http://{hosts[0]}:{port}", "z" * 200, 1)
+            async with new_client() as client:
+                await chat(client, f"http://{hosts[0]}:{port}", "z" * 200, 1)
             [batch] = await readers[0].take(1)
             assert stored(batch.events)
             await readers[1].assert_no_more()

@@ -4,10 +4,10 @@ text pages (which the harness read before)."""
 
 from __future__ import annotations
 
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from extproc.stack.bootstrap import BootstrapParams
@@ -24,8 +24,8 @@ BACKEND_HOSTS = ("127.0.0.11", "127.0.0.12")
 def text_hosts(admin_url: str, cluster: str, healthy: bool = False) -> set[str]:
     """Envoy's text /clusters page read line by line: the hosts of ``cluster`` (each has a
     cx_active line), or those whose health flags read "healthy"."""
-    with urllib.request.urlopen(f"{admin_url}/clusters", timeout=2) as response:
-        lines = response.read().decode().splitlines()
+    response = httpx.get(f"{admin_url}/clusters", timeout=2).raise_for_status()
+    lines = response.text.splitlines()
     fields = [line.split("::") for line in lines if line.startswith(f"{cluster}::")]
     if healthy:
         return {f[1] for f in fields if f[2:] == ["health_flags", "healthy"]}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
@@ -85,5 +86,5 @@ def test_scrape_metric_reads_only_an_unlabelled_sample(metrics_url):
 
 def test_an_endpoint_that_is_down_is_none_to_scrape_metric_and_an_error_to_scrape(down_url):
     assert scrape_metric(down_url, "prefix_router_hosts") is None
-    with pytest.raises(OSError):
+    with pytest.raises(httpx.ConnectError):
         scrape(down_url)
