@@ -343,108 +343,115 @@ async def serve(
 ) -> None:
     """Run the router until ``stop`` is set (or SIGINT/SIGTERM), then drain and exit.
     ``on_listening`` is called once its ports are bound and the gRPC server started."""
-    # Its observers (the traffic log, shadow mode) come from the config; close() stops them.
-    router = Router(config)
-    server = grpc.aio.server(options=server_options(config.workers_share_listen))
     stop = stop or asyncio.Event()
-    lag = LoopLag()
-    metrics.LOOP_LAG.set_function(lambda: lag.seconds)
-    processor = ExternalProcessor(router, lag)
-    metrics.UNDECIDED.set_function(lambda: processor.undecided)
-    server.add_generic_rpc_handlers((processor.handler(), AccessLogSink(router, stop).handler()))
-    health_servicer = HealthService()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    servers = [server]
-    if config.health_listen is not None:
-        # Health alone, in plaintext: Kubernetes' gRPC probes speak no TLS. Every worker
-        # binds it (a pod has one probe address), whichever worker answers.
-        health_server = grpc.aio.server(options=[reuse_port(True), *keepalive.server_options()])
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
-        tls.listen(health_server, config.health_listen, None)
-        servers.append(health_server)
-    path = socket_path(config.listen)
-    if path is not None:
-        check_socket_path_free(path)
-    credentials = tls.server_credentials(
-        config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file
-    )
-    tls.listen(server, config.listen, credentials)
-    metrics_host, _, metrics_port = config.metrics_listen.rpartition(":")
-    metrics_server, metrics_thread = start_http_server(int(metrics_port), addr=metrics_host)
-    background: list[asyncio.Task[None]] = [asyncio.create_task(lag.run(stop))]
-    if config.control_plane is not None:
-        client = FleetClient(router, config.control_plane, config.cluster, fleet_tls(config))
-        background.append(asyncio.create_task(client.run(stop)))
-    if config.kv_events and config.prefix_match is PrefixMatch.LONGEST:
-        router.kv_events = KvEventsFeed(router.index, config)
-        router.kv_events.set_hosts(router.hosts.addresses)
-        metrics.KV_EVENTS.track(router.kv_events)
-        background.append(asyncio.create_task(router.kv_events.run(stop)))
-    exchange: DecisionExchange | None = None
-    if config.decision_exchange_bind is not None or config.decision_exchange_peers:
-        exchange = DecisionExchange(
-            router, config.decision_exchange_bind, config.decision_exchange_peers
-        )
-        exchange.start()
-        background.append(asyncio.create_task(exchange.run()))
-    if config_path is not None:
-        reloader = ConfigReloader(router, config_path, overrides or {})
-        background.append(asyncio.create_task(reloader.run(stop)))
-    for each in servers:
-        await each.start()
-    if on_listening is not None:
-        on_listening()
-
-    async def report_ready() -> None:
-        # NOT_SERVING until there is a host set: Envoy's health checks keep streams away
-        # from a router that could not place them.
-        await router.ready.wait()
-        for service in READY_SERVICES:
-            await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-        log.info("router_serving", hosts=len(router.hosts))
-
-    background.append(asyncio.create_task(report_ready()))
-    for service in READY_SERVICES:
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-    log.info(
-        "router_started",
-        listen=config.listen,
-        metrics=config.metrics_listen,
-        strategy=config.routing_strategy.value,
-        tls=tls.server_mode(config.tls_cert_file, config.tls_client_ca_file),
-        health_listen=config.health_listen,
-        listen_shared=config.workers_share_listen,
-        epp=config.epp,
-        control_plane=config.control_plane,
-        control_plane_tls=config.control_plane_ca_file is not None,
-        hosts=len(router.hosts),
-        event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0],
-    )
-
+    # Before anything that takes time: a SIGTERM while it starts (a supervisor stopping its
+    # workers, a pod deleted at once) still ends in a drain and a clean exit.
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     try:
-        await stop.wait()
+        # Its observers (the traffic log, shadow mode) come from the config; close() stops them.
+        router = Router(config)
+        server = grpc.aio.server(options=server_options(config.workers_share_listen))
+        lag = LoopLag()
+        metrics.LOOP_LAG.set_function(lambda: lag.seconds)
+        processor = ExternalProcessor(router, lag)
+        metrics.UNDECIDED.set_function(lambda: processor.undecided)
+        server.add_generic_rpc_handlers(
+            (processor.handler(), AccessLogSink(router, stop).handler())
+        )
+        health_servicer = HealthService()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        servers = [server]
+        if config.health_listen is not None:
+            # Health alone, in plaintext: Kubernetes' gRPC probes speak no TLS. Every worker
+            # binds it (a pod has one probe address), whichever worker answers.
+            health_server = grpc.aio.server(options=[reuse_port(True), *keepalive.server_options()])
+            health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+            tls.listen(health_server, config.health_listen, None)
+            servers.append(health_server)
+        path = socket_path(config.listen)
+        if path is not None:
+            check_socket_path_free(path)
+        credentials = tls.server_credentials(
+            config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file
+        )
+        tls.listen(server, config.listen, credentials)
+        metrics_host, _, metrics_port = config.metrics_listen.rpartition(":")
+        metrics_server, metrics_thread = start_http_server(int(metrics_port), addr=metrics_host)
+        background: list[asyncio.Task[None]] = [asyncio.create_task(lag.run(stop))]
+        if config.control_plane is not None:
+            client = FleetClient(router, config.control_plane, config.cluster, fleet_tls(config))
+            background.append(asyncio.create_task(client.run(stop)))
+        if config.kv_events and config.prefix_match is PrefixMatch.LONGEST:
+            router.kv_events = KvEventsFeed(router.index, config)
+            router.kv_events.set_hosts(router.hosts.addresses)
+            metrics.KV_EVENTS.track(router.kv_events)
+            background.append(asyncio.create_task(router.kv_events.run(stop)))
+        exchange: DecisionExchange | None = None
+        if config.decision_exchange_bind is not None or config.decision_exchange_peers:
+            exchange = DecisionExchange(
+                router, config.decision_exchange_bind, config.decision_exchange_peers
+            )
+            exchange.start()
+            background.append(asyncio.create_task(exchange.run()))
+        if config_path is not None:
+            reloader = ConfigReloader(router, config_path, overrides or {})
+            background.append(asyncio.create_task(reloader.run(stop)))
+        for each in servers:
+            await each.start()
+        if on_listening is not None:
+            on_listening()
+
+        async def report_ready() -> None:
+            # NOT_SERVING until there is a host set: Envoy's health checks keep streams away
+            # from a router that could not place them.
+            await router.ready.wait()
+            for service in READY_SERVICES:
+                await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+            log.info("router_serving", hosts=len(router.hosts))
+
+        background.append(asyncio.create_task(report_ready()))
+        for service in READY_SERVICES:
+            await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "router_started",
+            listen=config.listen,
+            metrics=config.metrics_listen,
+            strategy=config.routing_strategy.value,
+            tls=tls.server_mode(config.tls_cert_file, config.tls_client_ca_file),
+            health_listen=config.health_listen,
+            listen_shared=config.workers_share_listen,
+            epp=config.epp,
+            control_plane=config.control_plane,
+            control_plane_tls=config.control_plane_ca_file is not None,
+            hosts=len(router.hosts),
+            event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0],
+        )
+
+        try:
+            await stop.wait()
+        finally:
+            # Tell Envoy's health checks first, keep serving until one has seen it, then
+            # refuse new streams and let open ones finish.
+            await health_servicer.enter_graceful_shutdown()
+            log.info("router_draining", in_flight=router.ledger.in_flight.total())
+            await health_servicer.drain_notice()
+            await server.stop(router.config.drain_timeout_s)
+            for each in servers[1:]:
+                await each.stop(0)
+            for task in background:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            if exchange is not None:
+                exchange.close()
+            metrics_server.shutdown()
+            metrics_thread.join(timeout=5)
+            metrics_server.server_close()
+            router.close()
+            log.info("router_stopped")
     finally:
-        # Tell Envoy's health checks first, keep serving until one has seen it, then
-        # refuse new streams and let open ones finish.
-        await health_servicer.enter_graceful_shutdown()
-        log.info("router_draining", in_flight=router.ledger.in_flight.total())
-        await health_servicer.drain_notice()
-        await server.stop(router.config.drain_timeout_s)
-        for each in servers[1:]:
-            await each.stop(0)
-        for task in background:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        if exchange is not None:
-            exchange.close()
-        metrics_server.shutdown()
-        metrics_thread.join(timeout=5)
-        router.close()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
-        log.info("router_stopped")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 import signal
@@ -14,7 +15,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from extproc.adapter.service import SERVICE_NAME
+from extproc.adapter.service import SERVICE_NAME, serve
+from extproc.config import RouterConfig
 from extproc.stack.processes import free_ports, wait_until
 
 from ..extproc_messages import request_body, request_headers
@@ -79,3 +81,26 @@ def test_sigterm_gives_open_streams_the_drain_timeout_then_cancels_them(tmp_path
     # The open stream kept the router for its drain timeout, then was cancelled.
     assert DRAIN_S - 0.5 <= took <= DRAIN_S + 5, took
     assert ended.get(timeout=1) in ("CANCELLED", "UNAVAILABLE")
+
+
+async def test_a_sigterm_while_it_starts_ends_in_a_drain_not_in_death():
+    # A supervisor stopping its workers, or a pod deleted, may signal a router that has not
+    # finished starting: serve() takes SIGTERM from its first line, so it still drains and
+    # returns. A handler of the test's own sees the signal only if serve() had not taken it.
+    grpc_port, metrics_port = free_ports(2)
+    config = RouterConfig(
+        hosts=("127.0.0.1:8000",),
+        listen=f"127.0.0.1:{grpc_port}",
+        metrics_listen=f"127.0.0.1:{metrics_port}",
+        drain_timeout_s=1,
+    )
+    missed: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: missed.append(signum))
+    try:
+        serving = asyncio.ensure_future(serve(config))
+        # Runs at serve()'s first await, while its servers start.
+        asyncio.get_running_loop().call_soon(os.kill, os.getpid(), signal.SIGTERM)
+        await asyncio.wait_for(serving, 30)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert missed == []

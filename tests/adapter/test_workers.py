@@ -128,6 +128,11 @@ def metrics_up(port: int) -> bool:
     return "prefix_router_hosts 2.0" in text
 
 
+def started(log: Path) -> int:
+    """How many workers have logged that they listen."""
+    return log.read_text().count('"event": "router_started"')
+
+
 def children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True)
     return [
@@ -164,14 +169,25 @@ def start_supervisor(
 def test_workers_serve_apart_a_dead_one_comes_back_and_sigterm_drains_them_all(tmp_path):
     base = free_port_run(4)
     supervisor = start_supervisor(tmp_path, 2, base)
+    log_path = tmp_path / "router.log"
     try:
+        # A worker has started once it logs router_started, after its ports are bound: its
+        # metrics answer before that, and a worker killed before it listens the first time
+        # is one that could not start (it stops them all).
+        wait_until(lambda: started(log_path) == 2, 30, "both workers listening")
         for port in (base + 2, base + 3):
-            wait_until(lambda p=port: metrics_up(p), 30, f"worker metrics on {port}")
+            assert metrics_up(port)
         workers = children(supervisor.pid)
         assert len(workers) == 2
         os.kill(workers[1], signal.SIGKILL)
         wait_until(
-            lambda: len(children(supervisor.pid)) == 2 and not alive(workers[1]), 30, "a restart"
+            lambda: (
+                len(children(supervisor.pid)) == 2
+                and not alive(workers[1])
+                and started(log_path) == 3
+            ),
+            30,
+            "a restart",
         )
         wait_until(lambda: metrics_up(base + 3), 30, "the restarted worker")
         assert metrics_up(base + 2)  # the other worker was never touched
@@ -182,7 +198,7 @@ def test_workers_serve_apart_a_dead_one_comes_back_and_sigterm_drains_them_all(t
     finally:
         if supervisor.poll() is None:
             supervisor.kill()
-    log = (tmp_path / "router.log").read_text()
+    log = log_path.read_text()
     assert '"event": "router_worker_exited"' in log and '"exitcode": -9' in log
     assert log.count('"event": "router_stopped"') == 2  # each worker drained
 
