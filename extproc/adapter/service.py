@@ -427,7 +427,7 @@ async def serve(
             control_plane=config.control_plane,
             control_plane_tls=config.control_plane_ca_file is not None,
             hosts=len(router.hosts),
-            event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0],
+            event_loop=type(loop).__module__.split(".")[0],
         )
 
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -120,6 +121,12 @@ class Traffic:
     @property
     def failures(self) -> int:
         return sum(s >= 500 for s in self.statuses) + len(self.errors)
+
+    @property
+    def failed(self) -> str:
+        """What failed, for an assertion's message: each 5xx status's count, the first errors."""
+        statuses = Counter(s for s in self.statuses if s >= 500)
+        return f"statuses {dict(statuses)}, errors {self.errors[:3]}"
 
     @contextmanager
     def running(self) -> Iterator[Traffic]:
