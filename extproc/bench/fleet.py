@@ -114,7 +114,7 @@ QUOTED_ROUTER_DEFAULTS = ("balance_factor", "balance_min_in_flight", "overload_c
 def open_loop(fleet: Fleet, path: str, url: str, requests: list[BenchRequest]) -> PathResult:
     """The open loop through ``url``: TTFTs, the measured hit rate, each instance's share."""
     options = fleet.options
-    reset_caches(fleet.addresses)
+    reset_caches(fleet.addresses, fleet.stack)
     queries_before, hits_before = prefix_counters(fleet.addresses)
     outcomes, wall = asyncio.run(
         run_open_loop(f"{url}/v1/chat/completions", requests, options.time_scale)

@@ -17,7 +17,7 @@ def run_closed(fleet: Fleet, url: str, requests: list[BenchRequest]) -> ClosedLo
     """A saturation run: the model slowed to closed_loop_time_scale, fixed concurrency."""
     options = fleet.options
     scale = options.closed_loop_time_scale
-    reset_caches(fleet.addresses)
+    reset_caches(fleet.addresses, fleet.stack)
     fleet.set_time_scale(scale)
     try:
         queries_before, hits_before = prefix_counters(fleet.addresses)

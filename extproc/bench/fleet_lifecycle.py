@@ -12,13 +12,19 @@ import httpx
 
 from extproc.bench.fleet_options import FleetBenchOptions, simulator_args, stack_router_settings
 from extproc.bench.fleet_paths import ENVOY_CHANGES, REPLICAS, SESSION_HEADER
+from extproc.bench.probes import publish_resets, wait_for_empty_views
 from extproc.control.loadfeed import parse_vllm_metrics
+from extproc.sim.options import SimOptions
 from extproc.stack.local import LocalStack, StackSpec
 from extproc.stack.processes import ManagedProcess, free_port, http_ok, wait_until
 
 
-def reset_caches(addresses: Sequence[str]) -> None:
-    """Wait for the instances to go idle, then empty their prefix caches."""
+def reset_caches(
+    addresses: Sequence[str], stack: LocalStack | None = None, followed: int | None = None
+) -> None:
+    """Wait for the instances to go idle, then empty their prefix caches and publish the
+    resets (``publish_resets``); with ``stack``, return once each of its routers follows
+    ``followed`` engines (all of ``addresses`` by default) and holds none of their blocks."""
 
     def idle() -> bool:
         loads = [parse_vllm_metrics(httpx.get(f"http://{a}/metrics").text, 0.0) for a in addresses]
@@ -27,6 +33,9 @@ def reset_caches(addresses: Sequence[str]) -> None:
     wait_until(idle, 120, "the simulators to go idle")
     for address in addresses:
         httpx.post(f"http://{address}/reset_prefix_cache").raise_for_status()
+    publish_resets(addresses, SimOptions.model)
+    if stack is not None:
+        wait_for_empty_views(stack, len(addresses) if followed is None else followed)
 
 
 class Fleet:

@@ -5,6 +5,9 @@ extproc/stack/prometheus.py (its helpers re-exported here)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
+
+import httpx
 
 from extproc.stack.local import LocalStack
 from extproc.stack.processes import wait_until
@@ -41,6 +44,41 @@ def wait_for_precise(stack: LocalStack, replicas: int, hosts: int, timeout_s: fl
         timeout_s,
         f"{replicas} router replica(s) reading {hosts} engines' KV events",
     )
+
+
+def wait_for_empty_views(stack: LocalStack, hosts: int, timeout_s: float = 60.0) -> None:
+    """Until every live router process follows ``hosts`` engines' KV events and holds none
+    of their blocks (after the engines' caches were reset and the resets published: see
+    ``publish_resets``). A router without a KV-event feed is not waited for."""
+
+    def empty(endpoint: int) -> bool:
+        samples = scrape(stack.replica_metrics_url(endpoint))
+        precise = samples.get(("prefix_router_kv_events_hosts", (("state", "precise"),)))
+        if precise is None:  # no feed: nothing of the engines' to forget
+            return True
+        blocks = by_host(samples, "prefix_router_kv_events_blocks")
+        return precise == hosts and not any(blocks.values())
+
+    wait_until(
+        lambda: all(empty(e) for e in stack.live_router_endpoints()),
+        timeout_s,
+        f"every router process to follow {hosts} engines' KV events and hold none of their blocks",
+    )
+
+
+def publish_resets(addresses: Iterable[str], model: str) -> None:
+    """Make each engine publish the ``AllBlocksCleared`` of a ``/reset_prefix_cache``.
+
+    vLLM queues that event until the end of its next engine step, and an idle engine runs
+    none: until a request reaches it, every subscriber to its events (our routers, a peer's
+    KV-aware policy) still believes in the blocks it dropped, and a router started since
+    replays them from the engine's buffer. A CI run of the real-vLLM tier sent a document's
+    second request to an engine that had served nothing yet in that path and showed the
+    path before's copy of it. One request of a one-token prompt runs a step that caches
+    nothing (no block is full), so the event goes out alone."""
+    for address in addresses:
+        body = {"model": model, "prompt": "a", "max_tokens": 1}
+        httpx.post(f"http://{address}/v1/completions", json=body, timeout=60).raise_for_status()
 
 
 def wait_for_idle_pressure(stack: LocalStack, timeout_s: float = 120.0) -> None:

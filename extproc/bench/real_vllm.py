@@ -43,7 +43,7 @@ import structlog
 
 from extproc.bench import report
 from extproc.bench.counters import prefix_counters
-from extproc.bench.probes import wait_for_idle_pressure
+from extproc.bench.probes import publish_resets, wait_for_empty_views, wait_for_idle_pressure
 from extproc.bench.real_vllm_peers import (
     ENGINE_BLOCK_TOKENS,
     PEERS,
@@ -324,9 +324,14 @@ def _shed(stack: LocalStack) -> int:
     )
 
 
-def reset_caches(addresses: list[str]) -> None:
+def reset_caches(addresses: list[str], stack: LocalStack | None = None) -> None:
+    """Empty every engine's prefix cache and publish the resets (``publish_resets``); with
+    ``stack``, return once each of its router processes has heard them all."""
     for address in addresses:
         httpx.post(f"http://{address}/reset_prefix_cache", timeout=30).raise_for_status()
+    publish_resets(addresses, VllmOptions.served_name)
+    if stack is not None:
+        wait_for_empty_views(stack, len(addresses))
 
 
 def workers_path(workers: int) -> str:
@@ -417,7 +422,7 @@ def run_path(
             # others; this path starts from an idle fleet, as it starts from cold caches.
             wait_for_idle_pressure(stack)
             url, involved, default_host = stack.url, addresses, None
-        reset_caches(addresses)
+        reset_caches(addresses, stack if via_envoy else None)
         recorder = Recorder(default_host)
         queries_before, hits_before = prefix_counters(involved)
         finished_before = finished_requests(involved) if peer else {}

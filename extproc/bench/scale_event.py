@@ -254,7 +254,7 @@ def run_path(
     _wait_for_fleet(fleet, initial)
     url = path_url(fleet, path)
     assert url is not None
-    reset_caches(fleet.all_addresses)
+    reset_caches(fleet.all_addresses, fleet.stack, followed=len(initial))
     queries_before, hits_before = prefix_counters(fleet.all_addresses)
     scale = options.time_scale
     started = time.monotonic()

@@ -12,6 +12,8 @@ import argparse
 import importlib
 import sys
 
+import httpx
+
 from extproc.cli.common import (
     COMMAND_HELP,
     EXIT_USAGE,
@@ -97,5 +99,19 @@ def main(argv: list[str] | None = None) -> int:
     except (RouterError, OSError) as error:
         print(f"prefix-router: {error}", file=sys.stderr)
         return 1
+    except httpx.HTTPError as error:
+        # A request to a process the command drives (a simulator, a peer, Envoy's admin)
+        # found nothing there, or a wrong answer: a line naming it, not a traceback.
+        print(f"prefix-router: {_described(error)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _described(error: httpx.HTTPError) -> str:
+    """``error`` with the request it failed on, where httpx knows it."""
+    try:
+        request = error.request
+    except RuntimeError:  # raised outside a request: httpx has none to name
+        return str(error) or type(error).__name__
+    return f"{request.method} {request.url}: {str(error) or type(error).__name__}"

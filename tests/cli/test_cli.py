@@ -5,9 +5,11 @@ import dataclasses
 import subprocess
 import sys
 
+import httpx
 import pytest
 import yaml
 
+import extproc.cli.envoy_config
 from extproc.cli import EXIT_USAGE, main, parse_args
 from extproc.cli.common import COMMAND_HELP
 from extproc.cli.up import stack_spec
@@ -365,3 +367,14 @@ def test_routers_that_end_streams_at_the_decision_get_envoys_completion_log(tmp_
     assert len(logs) == 2
     manager = bootstrap(capsys, *flags)["static_resources"]["listeners"][0]
     assert "access_log" not in manager["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def test_an_http_error_ends_in_a_line_naming_the_request(monkeypatch, capsys):
+    def unreachable(_args):  # a command's request to a process that is not there
+        return httpx.get("http://127.0.0.1:9/metrics", timeout=2)
+
+    monkeypatch.setattr(extproc.cli.envoy_config, "run", unreachable)
+    assert main(["envoy-config"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("prefix-router: GET http://127.0.0.1:9/metrics: ")
+    assert "Traceback" not in err

@@ -14,6 +14,7 @@ import json
 import httpx
 import pytest
 
+from extproc.bench.probes import publish_resets, wait_for_empty_views
 from extproc.stack.local import LocalStack, StackSpec
 from extproc.stack.processes import wait_until
 from extproc.stack.prometheus import by_label, scrape
@@ -114,3 +115,20 @@ def test_a_restarted_engine_leaves_the_routers_view():
         wait_until(lambda: engine_blocks(stack).get(victim, 0) == 0, 20, "the view emptied")
         # ... and is found again on its new ports.
         wait_until(lambda: all_precise(stack, 1), 30, "the restarted engine subscribed")
+
+
+def test_a_reset_reaches_the_routers_with_the_engines_next_step():
+    # vLLM (and the simulator, as vLLM) publishes a reset's AllBlocksCleared at the end of
+    # its next engine step: on an idle engine the routers go on seeing what it dropped.
+    # The benchmarks reset between paths, so they run that step themselves.
+    with LocalStack(spec()) as stack:
+        wait_until(lambda: all_precise(stack, 1), 20, "subscribed to 3 engines")
+        host = stack.backend_addresses[1]
+        warm_behind_the_routers_back(stack, 30, host)
+        wait_until(lambda: engine_blocks(stack).get(host, 0) >= 10, 10, "the document")
+        held = engine_blocks(stack)[host]
+        httpx.post(f"http://{host}/reset_prefix_cache", timeout=10).raise_for_status()
+        assert engine_blocks(stack)[host] == held  # queued, not published: no step ran
+        publish_resets(stack.backend_addresses, "sim-model")
+        wait_for_empty_views(stack, len(stack.backend_addresses), timeout_s=10)
+        assert engine_blocks(stack).get(host, 0) == 0
