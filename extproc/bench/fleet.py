@@ -63,6 +63,7 @@ from extproc.bench.fleet_paths import (
     TWO_REPLICAS,
     our_paths_document,
     path_url,
+    reads_events,
 )
 from extproc.bench.fleet_probes import (
     WARM_UP_PAIRS,
@@ -114,7 +115,7 @@ QUOTED_ROUTER_DEFAULTS = ("balance_factor", "balance_min_in_flight", "overload_c
 def open_loop(fleet: Fleet, path: str, url: str, requests: list[BenchRequest]) -> PathResult:
     """The open loop through ``url``: TTFTs, the measured hit rate, each instance's share."""
     options = fleet.options
-    reset_caches(fleet.addresses, fleet.stack)
+    reset_caches(fleet.addresses, fleet.stack if reads_events(path) else None)
     queries_before, hits_before = prefix_counters(fleet.addresses)
     outcomes, wall = asyncio.run(
         run_open_loop(f"{url}/v1/chat/completions", requests, options.time_scale)
@@ -170,7 +171,7 @@ def run_path(fleet: Fleet, path: str, requests: list[BenchRequest]) -> PathResul
             counters_before, router_counters(stack)
         )
     if options.closed_loop_concurrency and path in options.closed_loop_paths:
-        result.closed_loop = run_closed(fleet, url, requests)
+        result.closed_loop = run_closed(fleet, path, url, requests)
     log.info(
         "bench.path",
         path=path,

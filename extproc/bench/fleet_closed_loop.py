@@ -8,16 +8,17 @@ import asyncio
 
 from extproc.bench.counters import prefix_counters
 from extproc.bench.fleet_lifecycle import Fleet, reset_caches
+from extproc.bench.fleet_paths import reads_events
 from extproc.bench.fleet_results import ClosedLoopResult
 from extproc.bench.loadgen import run_closed_loop
 from extproc.bench.workloads import BenchRequest
 
 
-def run_closed(fleet: Fleet, url: str, requests: list[BenchRequest]) -> ClosedLoopResult:
+def run_closed(fleet: Fleet, path: str, url: str, requests: list[BenchRequest]) -> ClosedLoopResult:
     """A saturation run: the model slowed to closed_loop_time_scale, fixed concurrency."""
     options = fleet.options
     scale = options.closed_loop_time_scale
-    reset_caches(fleet.addresses, fleet.stack)
+    reset_caches(fleet.addresses, fleet.stack if reads_events(path) else None)
     fleet.set_time_scale(scale)
     try:
         queries_before, hits_before = prefix_counters(fleet.addresses)

@@ -23,8 +23,9 @@ def reset_caches(
     addresses: Sequence[str], stack: LocalStack | None = None, followed: int | None = None
 ) -> None:
     """Wait for the instances to go idle, then empty their prefix caches and publish the
-    resets (``publish_resets``); with ``stack``, return once each of its routers follows
-    ``followed`` engines (all of ``addresses`` by default) and holds none of their blocks."""
+    resets (``publish_resets``). ``stack``: its routers read the engines' KV events (the
+    path's do); return once each follows ``followed`` engines (all of ``addresses`` by
+    default) and holds none of their blocks."""
 
     def idle() -> bool:
         loads = [parse_vllm_metrics(httpx.get(f"http://{a}/metrics").text, 0.0) for a in addresses]

@@ -138,6 +138,11 @@ def start_peer(fleet: Fleet, name: str) -> str | None:
     return url
 
 
+def reads_events(path: str) -> bool:
+    """Whether ``path``'s routers read the engines' KV events (ours, unless set off)."""
+    return path in OUR_PATHS and OUR_PATHS[path].get("kv_events", True)
+
+
 def path_url(fleet: Fleet, path: str) -> str | None:
     """Switch to ``path`` (our router by config hot reload; a peer by starting it) and
     return its base URL; None when the peer is not installed."""
@@ -147,7 +152,7 @@ def path_url(fleet: Fleet, path: str) -> str | None:
         stack.write_router_config(**OUR_PATHS[path])
         replicas = REPLICAS.get(path, 1)
         stack.restart_routers(replicas)
-        if OUR_PATHS[path].get("kv_events", True):
+        if reads_events(path):
             wait_for_precise(stack, replicas, len(fleet.addresses))
         if path in ENVOY_CHANGES:
             url, admin_url = fleet.path_envoys[path]

@@ -49,13 +49,11 @@ def wait_for_precise(stack: LocalStack, replicas: int, hosts: int, timeout_s: fl
 def wait_for_empty_views(stack: LocalStack, hosts: int, timeout_s: float = 60.0) -> None:
     """Until every live router process follows ``hosts`` engines' KV events and holds none
     of their blocks (after the engines' caches were reset and the resets published: see
-    ``publish_resets``). A router without a KV-event feed is not waited for."""
+    ``publish_resets``). For routers that read the engines' events only."""
 
     def empty(endpoint: int) -> bool:
         samples = scrape(stack.replica_metrics_url(endpoint))
         precise = samples.get(("prefix_router_kv_events_hosts", (("state", "precise"),)))
-        if precise is None:  # no feed: nothing of the engines' to forget
-            return True
         blocks = by_host(samples, "prefix_router_kv_events_blocks")
         return precise == hosts and not any(blocks.values())
 

@@ -36,6 +36,7 @@ from extproc.bench.fleet import (
     path_url,
     reset_caches,
 )
+from extproc.bench.fleet_paths import reads_events
 from extproc.bench.loadgen import RequestOutcome, run_open_loop
 from extproc.bench.workloads import BenchRequest, WorkloadSpec, describe, generate
 from extproc.control.config import ControlPlaneConfig
@@ -254,7 +255,8 @@ def run_path(
     _wait_for_fleet(fleet, initial)
     url = path_url(fleet, path)
     assert url is not None
-    reset_caches(fleet.all_addresses, fleet.stack, followed=len(initial))
+    stack = fleet.stack if reads_events(path) else None
+    reset_caches(fleet.all_addresses, stack, followed=len(initial))
     queries_before, hits_before = prefix_counters(fleet.all_addresses)
     scale = options.time_scale
     started = time.monotonic()
