@@ -3,11 +3,10 @@ overhead probes: the same request straight to an instance and through a path, in
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
-import aiohttp
+import httpx
 
 from extproc.bench.fleet_lifecycle import Fleet
 from extproc.bench.fleet_paths import SESSION_HEADER
@@ -45,7 +44,7 @@ def probe_body(requests: list[BenchRequest]) -> dict[str, Any]:
     return {**requests[0].body, "max_tokens": 1, "stream": False}
 
 
-async def _probe_pairs(
+def _probe_pairs(
     direct: str,
     routed: str,
     body: dict[str, Any],
@@ -54,15 +53,12 @@ async def _probe_pairs(
 ) -> list[float]:
     """Seconds each back-to-back (direct, routed) pair differs by, after the warm-up."""
     added = []
-    timeout = aiohttp.ClientTimeout(total=30)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    with httpx.Client(timeout=30, trust_env=False) as client:
         for index in range(probes + WARM_UP_PAIRS):
             took = []
             for target in (direct, routed):
                 started = time.perf_counter()
-                async with session.post(target, json=body, headers=headers) as response:
-                    await response.read()
-                    response.raise_for_status()
+                client.post(target, json=body, headers=headers).raise_for_status()
                 took.append(time.perf_counter() - started)
             if index >= WARM_UP_PAIRS:  # the first rounds warm connections up
                 added.append(took[1] - took[0])
@@ -77,7 +73,7 @@ def measure_overhead(fleet: Fleet, url: str, body: dict[str, Any], probes: int) 
     routed = f"{url}/v1/chat/completions"
     headers = {SESSION_HEADER: "overhead-probe"}
     try:
-        added = asyncio.run(_probe_pairs(direct, routed, body, headers, probes))
+        added = _probe_pairs(direct, routed, body, headers, probes)
     finally:
         fleet.set_time_scale(fleet.options.time_scale)
     return [seconds * 1000 for seconds in added]

@@ -30,6 +30,14 @@ blocks the followed group still holds.
 The held set is not prefix-closed: a removal or an unmapped block can leave a gap, and
 the engine can use nothing past a gap. ``matched_depth`` therefore walks the chain rather
 than binary-searching it (a chain is at most a few hundred router blocks).
+
+An engine block is much smaller than a router block (16 tokens, some 60 bytes, against
+512), so the engine also holds the start of the router block a request's match stops in:
+up to a router block of every hit that whole blocks leave out (conversations, whose turns
+end anywhere in a block, read some 6 points low). ``tail_bytes`` finds it from the last
+engine block stored past each router block, the one a conversation's next turn continues:
+one dict entry per engine block stored (hashing the tail again at mini-block steps doubled
+the ingest cost, past its budget of a quarter core).
 """
 
 from __future__ import annotations
@@ -117,6 +125,8 @@ class HostMirror:
         self._blocks: OrderedDict[BlockHash, _Block] = OrderedDict()
         # Router hash -> how many mapped engine blocks completed it.
         self._held: dict[int, int] = {}
+        # Router hash (or seed) -> the tail of the engine block stored last past it.
+        self._tails: dict[int, bytes] = {}
         self.stats = MirrorStats()
 
     def __contains__(self, router_hash: object) -> bool:
@@ -133,6 +143,13 @@ class HostMirror:
             if router_hash not in held:
                 return depth
         return len(hashes)
+
+    def tail_bytes(self, chain: int, rest: bytes) -> int:
+        """How many leading bytes of ``rest``, the key bytes past the router block named by
+        ``chain`` (the seed for none), this engine holds too, by the engine block stored
+        last past that block: all of its text or, where ``rest`` leaves it, none."""
+        tail = self._tails.get(chain)
+        return len(tail) if tail and rest.startswith(tail) else 0
 
     def stored(self, event: BlockStored) -> int:
         """Map the event's engine blocks; returns how many router blocks became held."""
@@ -160,6 +177,7 @@ class HostMirror:
             if block is not None:
                 self.stats.removed += 1
                 lost += self._release(block[_COMPLETED])
+                self._drop_tail(block)
         self.stats.router_blocks = len(self._held)
         return lost
 
@@ -167,6 +185,7 @@ class HostMirror:
         """The engine dropped its whole prefix cache (``AllBlocksCleared``)."""
         self._blocks.clear()
         self._held.clear()
+        self._tails.clear()
         self.stats.router_blocks = 0
 
     def _start(self, event: BlockStored) -> _Block | None:
@@ -221,7 +240,7 @@ class HostMirror:
         decoded = self._decode_blocks(pending, tokens, size)
         self.stats.opaque += count - first - len(decoded)
         self.stats.stored += len(decoded)
-        block_bytes, gained = self._block_bytes, 0
+        block_bytes, tails, gained = self._block_bytes, self._tails, 0
         for engine_hash, (out, pending) in zip(hashes, decoded, strict=False):
             if engine_hash in blocks:  # a known block past a new one: keep its state
                 self.stats.stored -= 1
@@ -235,6 +254,8 @@ class HostMirror:
                 chain, tail, completed = self._cut(chain, tail)
                 gained += self._hold(completed)
             blocks[engine_hash] = (chain, tail, pending, completed, depth)
+            if tail:
+                tails[chain] = tail
         return gained
 
     def _cut(self, chain: int, data: bytes) -> tuple[int, bytes, tuple[int, ...]]:
@@ -253,6 +274,13 @@ class HostMirror:
             gained += not holders
         return gained
 
+    def _drop_tail(self, block: _Block) -> None:
+        """``block`` is gone: so is its tail, if it was the last past its router block (the
+        one before it is not known: nothing is claimed past that block until another
+        engine block is stored there)."""
+        if self._tails.get(block[0]) is block[1]:
+            del self._tails[block[0]]
+
     def _release(self, router_hashes: tuple[int, ...]) -> int:
         held, lost = self._held, 0
         for router_hash in router_hashes:
@@ -270,9 +298,10 @@ class HostMirror:
         blocks, excess = self._blocks, len(self._blocks) - self._max_engine_blocks
         self.stats.evicted += max(0, excess)
         for _ in range(excess):
-            completed = blocks.popitem(last=False)[1][_COMPLETED]
-            if completed:  # most engine blocks complete no router block
-                self._release(completed)
+            block = blocks.popitem(last=False)[1]
+            if block[_COMPLETED]:  # most engine blocks complete no router block
+                self._release(block[_COMPLETED])
+            self._drop_tail(block)
 
 
 def _text_only(keys: tuple[Any, ...] | None) -> bool:

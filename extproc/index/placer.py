@@ -26,7 +26,8 @@ class LongestPlacement:
     decision: Decision
     lookup: PrefixLookup
     heat: PrefixHeat
-    # Bytes of the prompt the chosen host holds, by the index.
+    # Bytes of the prompt the chosen host holds, by the index: whole blocks, and where its
+    # engine's events are read, the start of the block the match stops in (tail_bytes).
     matched_bytes: int
 
 
@@ -60,7 +61,8 @@ def place_longest(
     )
     index.record(decision.primary, lookup)
     popularity.observe_prompt(blocks)
-    matched = lookup.depth_on(decision.primary) * blocks.block_bytes
+    depth = lookup.depth_on(decision.primary)
+    matched = depth * blocks.block_bytes + index.tail_bytes(decision.primary, blocks, depth)
     if prefill is not None and blocks.length:
         prefill.add(decision.primary, blocks.length - matched, now)
     return LongestPlacement(decision, lookup, heat, matched)

@@ -36,6 +36,10 @@ class CacheView(Protocol):
 
     def __len__(self) -> int: ...
 
+    def tail_bytes(self, chain: int, rest: bytes, /) -> int:
+        """Leading bytes of ``rest`` (past the router block ``chain`` names) held too."""
+        ...
+
 
 @dataclass(slots=True)
 class SpeculationStats:

@@ -87,6 +87,20 @@ class PrefixIndex:
                         matched[host] = depth
         return PrefixLookup(blocks, MappingProxyType(matched))
 
+    def tail_bytes(self, host: str, blocks: PromptBlocks, depth: int) -> int:
+        """Bytes past ``blocks``' first ``depth`` router blocks that ``host``'s engine holds
+        too, by its events (0 where they are not read): the start of the block the match
+        stopped in, which the engine caches in its own, smaller blocks."""
+        view = self._precise.get(host) if self._precise else None
+        if view is None or not view.live:
+            return 0
+        start = depth * blocks.block_bytes
+        if start >= len(blocks.key):
+            return 0
+        # Less than a router block: the whole of the next one would have matched.
+        rest = blocks.key[start : start + blocks.block_bytes - 1]
+        return view.confirmed.tail_bytes(blocks.prefix_hash(depth), rest)
+
     # --- what changes it
 
     def record(self, host: str, lookup: PrefixLookup) -> None:

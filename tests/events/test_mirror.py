@@ -573,3 +573,59 @@ def test_the_mirror_names_each_router_block_a_stored_engine_block_completes():
     # Every router block the events made held, each once: what ends its speculation.
     assert sorted(told) == sorted(set(told)) and set(told) == {h for h in told if h in mirror}
     assert len(told) == len(mirror) > 3
+
+
+@pytest.mark.parametrize("body", BODIES, ids=["rag", "multi-turn", "non-ascii", "multi-part"])
+def test_the_engine_holds_the_start_of_the_block_a_match_stops_in(tokenizer, vocab, body):
+    # Engine blocks of 16 tokens end anywhere in a 512-byte router block: past the whole
+    # blocks a request matches, the engine holds the start of the next one too.
+    key = router_key(body)
+    seed = chain_seed(MODEL, None)
+    for decoder, tokens in (
+        (vocab, tokenizer.encode(chatml(body["messages"]), add_special_tokens=False).ids),
+        (CodepointDecoder(), [ord(char) for char in prompt_text("chat", body)]),
+    ):
+        mirror = mirror_of(decoder)
+        cut = len(tokens) * 2 // 3 // 16 * 16  # the engine holds the prompt this far
+        events = engine_events(tokens[:cut], 16, splits=(2, 7))
+        for event in events:
+            mirror.stored(event)
+        stored = stored_bytes(decoder, events)
+        assert key.startswith(stored)
+        blocks = prompt_blocks(key, BLOCK_BYTES, seed)
+        depth = mirror.matched_depth(blocks.hashes)
+        assert depth == len(stored) // BLOCK_BYTES
+        chain = blocks.prefix_hash(depth)
+        rest = key[depth * BLOCK_BYTES : (depth + 1) * BLOCK_BYTES - 1]
+        assert mirror.tail_bytes(chain, rest) == len(stored) - depth * BLOCK_BYTES > 0
+        # A prompt that leaves the engine's text there, or another tenant's, holds none.
+        assert mirror.tail_bytes(chain, b"!" + rest[1:]) == 0
+        assert mirror.tail_bytes(chain_seed(MODEL, "tenant"), rest) == 0
+
+
+def test_a_removed_or_cleared_block_takes_its_tail_along():
+    body = BODIES[1]
+    key = router_key(body)
+    tokens = [ord(char) for char in prompt_text("chat", body)][:1200]
+    events = engine_events(tokens, 16, splits=(40, 50))
+    mirror = mirror_of(CodepointDecoder())
+    for event in events:
+        mirror.stored(event)
+    blocks = prompt_blocks(key, BLOCK_BYTES, chain_seed(MODEL, None))
+    depth = mirror.matched_depth(blocks.hashes)
+    chain, rest = blocks.prefix_hash(depth), key[depth * BLOCK_BYTES :]
+    held = mirror.tail_bytes(chain, rest)
+    assert held == len(stored_bytes(CodepointDecoder(), events)) - depth * BLOCK_BYTES > 0
+    # The same text under other engine hashes (a second entry) holds it too.
+    twin = engine_events(tokens, 16, splits=(40, 50), kind="int")
+    for event in twin:
+        mirror.stored(event)
+    mirror.removed(removal(events[-1].block_hashes))
+    assert mirror.tail_bytes(chain, rest) == held
+    # Once the block stored last past that router block is gone, nothing is claimed of it.
+    mirror.removed(removal(twin[-1].block_hashes))
+    assert mirror.tail_bytes(chain, rest) == 0
+    mirror.stored(events[-1])
+    assert mirror.tail_bytes(chain, rest) == held
+    mirror.clear()
+    assert mirror.tail_bytes(chain, rest) == 0

@@ -3,9 +3,12 @@ with their time to live, and the index reading it while the host's stream is liv
 
 from __future__ import annotations
 
+from extproc.events.mirror import HostMirror
+from extproc.events.tokens import CodepointDecoder
+from extproc.events.wire import BlockStored
 from extproc.index.precise import PreciseHost, SpeculativeBlocks
 from extproc.index.prefix import IndexSizing, PrefixIndex
-from extproc.picker.blocks import prompt_blocks
+from extproc.picker.blocks import chain_seed, prompt_blocks
 
 A, B = "127.0.0.1:8000", "127.0.0.2:8000"
 
@@ -153,3 +156,36 @@ def test_a_decision_for_blocks_the_engine_holds_is_no_speculation():
     assert len(views[A].speculative) == 2 and views[A].stats.recorded == 2
     confirmed.difference_update(prompt.hashes[:6])  # type: ignore[attr-defined]
     assert dict(index.lookup(prompt, [A, B]).matched) == {}
+
+
+def test_the_engine_holds_the_start_of_the_block_a_match_stops_in():
+    # Engine blocks of 16 characters, router blocks of 64: the engine holds 560 bytes of
+    # the prompt, 8 router blocks and 48 bytes of the ninth.
+    text = "".join(chr(65 + i % 26) for i in range(600)).encode()
+    mirror = HostMirror(64, CodepointDecoder(), chain_seed, 10_000)
+    mirror.stored(
+        BlockStored(
+            block_hashes=list(range(1, 36)),
+            parent_block_hash=None,
+            token_ids=list(text[:560]),
+            block_size=16,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+            extra_keys=None,
+        )
+    )
+    index = PrefixIndex(IndexSizing(64, 10_000, 16 * 1000, 4), Clock())
+    view = PreciseHost(mirror, index.speculative_of(A))
+    index.set_precise(A, view)
+    prompt = prompt_blocks(text, 64, 0)
+    depth = index.lookup(prompt, [A, B]).depth_on(A)
+    assert depth == 8
+    assert index.tail_bytes(A, prompt, depth) == 48
+    # A prompt that leaves the engine's text inside the ninth block: none of it (where in
+    # its engine blocks is not known).
+    other = prompt_blocks(text[:522] + b"?" * 78, 64, 0)
+    assert index.tail_bytes(A, other, 8) == 0
+    assert index.tail_bytes(B, prompt, 0) == 0  # approximate: whole blocks only
+    view.live = False  # a silent stream: the approximate blocks again
+    assert index.tail_bytes(A, prompt, depth) == 0
