@@ -35,9 +35,12 @@ An engine block is much smaller than a router block (16 tokens, some 60 bytes, a
 512), so the engine also holds the start of the router block a request's match stops in:
 up to a router block of every hit that whole blocks leave out (conversations, whose turns
 end anywhere in a block, read some 6 points low). ``tail_bytes`` finds it from the last
-engine block stored past each router block, the one a conversation's next turn continues:
-one dict entry per engine block stored (hashing the tail again at mini-block steps doubled
-the ingest cost, past its budget of a quarter core).
+engine block stored past each router block, the one a conversation's next turn continues,
+and the point where its path left the one stored before it, which a new chat after a
+shared system prompt reaches: one dict entry per engine block stored. (Hashing the tail
+again in 64-byte steps doubled the ingestion cost, past its budget of a quarter core; a
+list of every engine block's end per router block cost +50%, mostly in the garbage
+collector's passes over the lists.)
 """
 
 from __future__ import annotations
@@ -125,8 +128,10 @@ class HostMirror:
         self._blocks: OrderedDict[BlockHash, _Block] = OrderedDict()
         # Router hash -> how many mapped engine blocks completed it.
         self._held: dict[int, int] = {}
-        # Router hash (or seed) -> the tail of the engine block stored last past it.
+        # Router hash (or seed) -> the tail of the engine block stored last past it; and
+        # where that block's path left the one stored before it (see _extend).
         self._tails: dict[int, bytes] = {}
+        self._forks: dict[int, int] = {}
         self.stats = MirrorStats()
 
     def __contains__(self, router_hash: object) -> bool:
@@ -147,9 +152,17 @@ class HostMirror:
     def tail_bytes(self, chain: int, rest: bytes) -> int:
         """How many leading bytes of ``rest``, the key bytes past the router block named by
         ``chain`` (the seed for none), this engine holds too, by the engine block stored
-        last past that block: all of its text or, where ``rest`` leaves it, none."""
+        last past that block: all of its text where ``rest`` continues it (a
+        conversation's next turn), else up to where its path left the path stored before
+        it, where ``rest`` goes that far (a new chat after a system prompt that earlier
+        chats share), else none."""
         tail = self._tails.get(chain)
-        return len(tail) if tail and rest.startswith(tail) else 0
+        if tail is None:
+            return 0
+        if rest.startswith(tail):
+            return len(tail)
+        fork = self._forks.get(chain, 0)
+        return fork if fork and rest.startswith(tail[:fork]) else 0
 
     def stored(self, event: BlockStored) -> int:
         """Map the event's engine blocks; returns how many router blocks became held."""
@@ -186,6 +199,7 @@ class HostMirror:
         self._blocks.clear()
         self._held.clear()
         self._tails.clear()
+        self._forks.clear()
         self.stats.router_blocks = 0
 
     def _start(self, event: BlockStored) -> _Block | None:
@@ -240,13 +254,14 @@ class HostMirror:
         decoded = self._decode_blocks(pending, tokens, size)
         self.stats.opaque += count - first - len(decoded)
         self.stats.stored += len(decoded)
-        block_bytes, tails, gained = self._block_bytes, self._tails, 0
+        block_bytes, tails, forks, gained = self._block_bytes, self._tails, self._forks, 0
         for engine_hash, (out, pending) in zip(hashes, decoded, strict=False):
             if engine_hash in blocks:  # a known block past a new one: keep its state
                 self.stats.stored -= 1
                 chain, tail, pending, _, depth = blocks[engine_hash]
                 blocks.move_to_end(engine_hash)
                 continue
+            previous = tail  # the block before's text in this router block
             tail += out
             depth += len(out)
             completed = _NONE
@@ -255,6 +270,11 @@ class HostMirror:
                 gained += self._hold(completed)
             blocks[engine_hash] = (chain, tail, pending, completed, depth)
             if tail:
+                if tails.get(chain) is not previous and previous and not completed:
+                    # Not the block stored last here, continued: a branch off that path (a
+                    # chat after a prompt another chat shares), or its text stored again.
+                    # The block before is held, so its text is, up to its end.
+                    forks[chain] = len(previous)
                 tails[chain] = tail
         return gained
 
@@ -280,6 +300,7 @@ class HostMirror:
         engine block is stored there)."""
         if self._tails.get(block[0]) is block[1]:
             del self._tails[block[0]]
+            self._forks.pop(block[0], None)
 
     def _release(self, router_hashes: tuple[int, ...]) -> int:
         held, lost = self._held, 0

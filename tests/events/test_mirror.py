@@ -629,3 +629,35 @@ def test_a_removed_or_cleared_block_takes_its_tail_along():
     assert mirror.tail_bytes(chain, rest) == held
     mirror.clear()
     assert mirror.tail_bytes(chain, rest) == 0
+
+
+def test_a_new_chat_after_a_shared_prompt_is_credited_the_prompts_engine_blocks():
+    # Two chats stored one after the other share a system prompt: the second's events
+    # start past the engine blocks the first stored. A third chat continues neither chat,
+    # only the prompt: the engine holds it up to the last engine block inside what it
+    # shares with them (engine blocks of 16 characters, from the start).
+    system = prose(1, 700) + " user: "
+    chats = [system + prose(10 + i, 300) for i in range(2)]
+    mirror = mirror_of(CodepointDecoder())
+    for chat in chats:
+        for event in engine_events([ord(char) for char in chat], 16):
+            mirror.stored(event)
+    key = (system + "a question of its own").encode()
+    blocks = prompt_blocks(key, BLOCK_BYTES, chain_seed(MODEL, None))
+    depth = mirror.matched_depth(blocks.hashes)
+    assert depth == len(system) // BLOCK_BYTES == 1
+    shared = max(
+        next(i for i, (a, b) in enumerate(zip(key, chat.encode(), strict=False)) if a != b)
+        for chat in chats
+    )
+    held = mirror.tail_bytes(blocks.prefix_hash(depth), key[BLOCK_BYTES : 2 * BLOCK_BYTES - 1])
+    assert held == shared // 16 * 16 - BLOCK_BYTES > 0
+    # Each chat's next turn continues its own chain past the prompt's block, and is
+    # credited all that its engine blocks hold of the block its match stops in.
+    for chat in chats:
+        turn = (chat + " and more").encode()
+        hashes = prompt_blocks(turn, BLOCK_BYTES, chain_seed(MODEL, None))
+        depth = mirror.matched_depth(hashes.hashes)
+        assert depth == len(chat) // BLOCK_BYTES == 2
+        rest = turn[2 * BLOCK_BYTES : 3 * BLOCK_BYTES - 1]
+        assert mirror.tail_bytes(hashes.prefix_hash(2), rest) == len(chat) // 16 * 16 - 1024
