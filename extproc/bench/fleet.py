@@ -63,8 +63,8 @@ from extproc.bench.fleet_paths import (
     TWO_REPLICAS,
     our_paths_document,
     path_url,
+    reads_events,
 )
-from extproc.bench.fleet_paths import reads_events as path_reads_events
 from extproc.bench.fleet_probes import (
     WARM_UP_PAIRS,
     measure_overhead,
@@ -117,13 +117,14 @@ def open_loop(
     path: str,
     url: str,
     requests: list[BenchRequest],
-    reads_events: bool | None = None,
+    events: bool | None = None,
 ) -> PathResult:
     """The open loop through ``url``: TTFTs, the measured hit rate, each instance's share."""
     options = fleet.options
     # Whether the routers read the engines' KV events: as the path's name says, unless the
     # caller wrote their config itself.
-    events = path_reads_events(path) if reads_events is None else reads_events
+    if events is None:
+        events = reads_events(path)
     reset_caches(fleet.addresses, fleet.stack if events else None)
     queries_before, hits_before = prefix_counters(fleet.addresses)
     outcomes, wall = asyncio.run(

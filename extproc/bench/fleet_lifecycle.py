@@ -10,9 +10,9 @@ from pathlib import Path
 
 import httpx
 
+from extproc.bench import probes
 from extproc.bench.fleet_options import FleetBenchOptions, simulator_args, stack_router_settings
 from extproc.bench.fleet_paths import ENVOY_CHANGES, REPLICAS, SESSION_HEADER
-from extproc.bench.probes import publish_resets, wait_for_empty_views
 from extproc.control.loadfeed import parse_vllm_metrics
 from extproc.sim.options import SimOptions
 from extproc.stack.local import LocalStack, StackSpec
@@ -32,11 +32,7 @@ def reset_caches(
         return all(load.running == 0 and load.waiting == 0 for load in loads)
 
     wait_until(idle, 120, "the simulators to go idle")
-    for address in addresses:
-        httpx.post(f"http://{address}/reset_prefix_cache").raise_for_status()
-    publish_resets(addresses, SimOptions.model)
-    if stack is not None:
-        wait_for_empty_views(stack, len(addresses) if followed is None else followed)
+    probes.reset_caches(addresses, SimOptions.model, stack, followed)
 
 
 class Fleet:

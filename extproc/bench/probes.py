@@ -5,7 +5,7 @@ extproc/stack/prometheus.py (its helpers re-exported here)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import httpx
 
@@ -77,6 +77,22 @@ def publish_resets(addresses: Iterable[str], model: str) -> None:
     for address in addresses:
         body = {"model": model, "prompt": "a", "max_tokens": 1}
         httpx.post(f"http://{address}/v1/completions", json=body, timeout=60).raise_for_status()
+
+
+def reset_caches(
+    addresses: Sequence[str],
+    model: str,
+    stack: LocalStack | None = None,
+    followed: int | None = None,
+) -> None:
+    """Empty each engine's prefix cache and publish the resets (``publish_resets``).
+    ``stack``: its routers read the engines' KV events; return once each follows
+    ``followed`` engines (all of ``addresses`` by default) and holds none of their blocks."""
+    for address in addresses:
+        httpx.post(f"http://{address}/reset_prefix_cache", timeout=30).raise_for_status()
+    publish_resets(addresses, model)
+    if stack is not None:
+        wait_for_empty_views(stack, len(addresses) if followed is None else followed)
 
 
 def wait_for_idle_pressure(stack: LocalStack, timeout_s: float = 120.0) -> None:

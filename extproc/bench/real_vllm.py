@@ -41,9 +41,9 @@ from typing import Any
 import httpx
 import structlog
 
-from extproc.bench import report
+from extproc.bench import probes, report
 from extproc.bench.counters import prefix_counters
-from extproc.bench.probes import publish_resets, wait_for_empty_views, wait_for_idle_pressure
+from extproc.bench.probes import wait_for_idle_pressure
 from extproc.bench.real_vllm_peers import (
     ENGINE_BLOCK_TOKENS,
     PEERS,
@@ -325,13 +325,9 @@ def _shed(stack: LocalStack) -> int:
 
 
 def reset_caches(addresses: list[str], stack: LocalStack | None = None) -> None:
-    """Empty every engine's prefix cache and publish the resets (``publish_resets``); with
-    ``stack``, return once each of its router processes has heard them all."""
-    for address in addresses:
-        httpx.post(f"http://{address}/reset_prefix_cache", timeout=30).raise_for_status()
-    publish_resets(addresses, VllmOptions.served_name)
-    if stack is not None:
-        wait_for_empty_views(stack, len(addresses))
+    """Empty every engine's prefix cache and publish the resets; with ``stack``, return
+    once each of its router processes has heard them all (``probes.reset_caches``)."""
+    probes.reset_caches(addresses, VllmOptions.served_name, stack)
 
 
 def workers_path(workers: int) -> str:

@@ -174,7 +174,7 @@ def measure_workload(
                 stack.restart_routers(1)  # stops the recording router: its log is whole
                 if settings["routing_strategy"] == PREFIX_AWARE:
                     wait_for_idle_pressure(stack)
-                result = open_loop(fleet, name, stack.url, requests, reads_events=False)
+                result = open_loop(fleet, name, stack.url, requests, events=False)
                 measured[name] = {
                     "hit_rate": result.hit_rate,
                     "shares": result.shares,
