@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -90,24 +91,58 @@ def test_rows_are_medians_over_rounds_and_hold_only_if_every_round_held():
     assert not summary["held"]
 
 
+# The smoke's levels, from stored ladders of this quick burst at the defaults (2 cores):
+#   tests/bench/burst_smoke/: `prefix-router bench concurrency --burst --quick --levels
+#     150,300,450,600 --rounds 6` (written to docs/benchmarks/burst-smoke, as it says, and
+#     moved here), the machine otherwise idle:
+#     held in 6 of 6 rounds at 150 and 300, 3 of 6 at 450, 1 of 6 at 600 (the CI run that
+#     failed at 600 was one of the five);
+#   tests/bench/burst_smoke_beside_a_busy_core/: the same at 150,300 beside
+#     `python -c 'while True: pass'` (one of the two cores busy, as the other xdist worker
+#     keeps it in CI): 6 of 6 at 150, 5 of 6 at 300.
+# So the burst that must hold is 150. Past that the router misses Envoy's message_timeout
+# for some requests (issue 27, docs/benchmarks/burst.md): at 600 the smoke asserts only
+# that nothing is lost, each request answered by the router or failed open by Envoy and
+# counted by one of them (in every stored round at 600, decided + failed open = 600).
+HOLDS_AT = 150
+BEYOND = 600
+
+
 @pytest.mark.timeout(240)
-def test_a_smoke_burst_holds_at_the_defaults_and_renders_from_the_stored_run(tmp_path):
+def test_a_smoke_burst_holds_within_capacity_loses_nothing_past_it_and_renders(tmp_path):
     options = BurstOptions(
-        levels=(600,),
+        levels=(HOLDS_AT, BEYOND),
         variants=("defaults",),
         stream_s=2.0,
         itl_s=0.25,
         out_dir=tmp_path,
     )
     data = burst.run(options)
-    by_variant = {result["variant"]: result for result in burst.summaries(data)}
-    assert set(by_variant) == {"defaults"}
-    defaults = by_variant["defaults"]
-    assert defaults["held"], defaults
-    assert defaults["statuses"] == {"200": 600}
-    assert 0 < defaults["ttft_s"]["p50"] <= defaults["ttft_s"]["p99"]
+    by_level = {result["level"]: result for result in burst.summaries(data)}
+    assert set(by_level) == {HOLDS_AT, BEYOND}
+    within = by_level[HOLDS_AT]
+    assert within["held"], within
+    assert within["statuses"] == {"200": HOLDS_AT}
+    assert 0 < within["ttft_s"]["p50"] <= within["ttft_s"]["p99"]
+    beyond = by_level[BEYOND]
+    assert beyond["statuses"] == {"200": BEYOND} and beyond["completed"] == BEYOND, beyond
+    failed_open = beyond["failures"]["http.ingress.ext_proc.failure_mode_allowed"]
+    assert beyond["decided"] + failed_open >= BEYOND, beyond
     stored = json.loads((tmp_path / "burst.json").read_text())
     rendered = (tmp_path / "burst.md").read_text()
     assert rendered == burst.render(stored)
     report.rerender(tmp_path / "burst.json")
     assert (tmp_path / "burst.md").read_text() == rendered
+
+
+@pytest.mark.parametrize("ladder", ["burst_smoke", "burst_smoke_beside_a_busy_core"])
+def test_the_smokes_levels_come_from_the_stored_ladders(ladder):
+    stored = json.loads((Path(__file__).with_name(ladder) / "burst.json").read_text())
+    held: dict[int, list[bool]] = {}
+    for result in stored["results"]:
+        held.setdefault(result["level"], []).append(result["held"])
+    assert all(held[HOLDS_AT]) and len(held[HOLDS_AT]) == 6
+    beyond = [r for r in stored["results"] if r["level"] == BEYOND]
+    for result in beyond:
+        failed_open = result["failures"]["http.ingress.ext_proc.failure_mode_allowed"]
+        assert result["decided"] + failed_open == BEYOND

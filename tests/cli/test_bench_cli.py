@@ -225,11 +225,29 @@ def test_concurrency_levels_must_be_ascending_counts(capsys):
 
 def test_a_burst_runs_without_a_gateway_and_at_least_one_round(capsys):
     args = parse_args(["bench", "concurrency", "--burst", "--levels", "3000"])
-    assert args.burst and args.rounds == 3 and args.levels == (3000,)
+    assert args.burst and args.rounds is None and args.levels == (3000,)  # run_burst: 3
     assert main(["bench", "concurrency", "--burst", "--gateway", "istio"]) == EXIT_USAGE
     assert "--burst runs without --gateway" in capsys.readouterr().err
     assert main(["bench", "concurrency", "--burst", "--rounds", "0"]) == EXIT_USAGE
     assert "--rounds must be at least 1" in capsys.readouterr().err
+    assert main(["bench", "concurrency", "--burst", "--variants", "defaults,sometimes"]) == 2
+    assert "variants: unknown ['sometimes']" in capsys.readouterr().err
+
+
+def test_a_quick_burst_keeps_the_rounds_and_variants_asked_for(monkeypatch):
+    from extproc.bench import burst
+
+    seen = []
+    monkeypatch.setattr(burst, "run", lambda options: seen.append(options) or {"results": []})
+    command = ["bench", "concurrency", "--burst", "--quick", "--out", "x"]
+    assert main(command) == 0
+    assert main([*command, "--levels", "150,300", "--rounds", "8"]) == 0
+    assert main(["bench", "concurrency", "--burst", "--variants", "defaults,never shed"]) == 0
+    quick, ladder, chosen = seen
+    assert (quick.levels, quick.rounds, quick.variants) == ((600,), 1, ("defaults",))
+    assert (quick.stream_s, quick.itl_s) == (2.0, 0.25)
+    assert (ladder.levels, ladder.rounds, ladder.variants) == ((150, 300), 8, ("defaults",))
+    assert chosen.rounds == 3 and chosen.variants == ("defaults", "never shed")
 
 
 def test_saturation_body_bytes_must_be_a_positive_size(capsys):

@@ -120,21 +120,39 @@ def burst(parser: argparse.ArgumentParser) -> None:
         "3000,6000), for --rounds interleaved rounds (default 3); writes burst.md",
     )
     parser.add_argument(
-        "--rounds", type=int, default=3, help="with --burst: interleaved rounds (default 3)"
+        "--rounds",
+        type=int,
+        help="with --burst: interleaved rounds (default 3; 1 with --quick)",
+    )
+    parser.add_argument(
+        "--variants",
+        type=lambda text: tuple(name.strip() for name in text.split(",")),
+        help="with --burst: comma-separated variants to run, as burst.md names them "
+        "(default: all; --quick: defaults alone)",
     )
 
 
 def run_burst(args: argparse.Namespace) -> int:
     from extproc.bench import burst
 
-    if args.rounds < 1:
+    if args.rounds is not None and args.rounds < 1:
         print("prefix-router bench concurrency: --rounds must be at least 1", file=sys.stderr)
         return 2
-    options = burst.BurstOptions(out_dir=args.out, command=command_line(args), rounds=args.rounds)
+    options = burst.BurstOptions(out_dir=args.out, command=command_line(args), rounds=3)
     if args.quick:
-        options = dataclasses.replace(options, levels=(600,), rounds=1, stream_s=3.0, itl_s=0.25)
+        options = dataclasses.replace(
+            options, levels=(600,), rounds=1, variants=("defaults",), stream_s=2.0, itl_s=0.25
+        )
     if args.levels:
         options = dataclasses.replace(options, levels=args.levels)
+    if args.rounds is not None:
+        options = dataclasses.replace(options, rounds=args.rounds)
+    try:
+        if args.variants is not None:
+            options = dataclasses.replace(options, variants=args.variants)
+    except ValueError as error:
+        print(f"prefix-router bench concurrency: {error}", file=sys.stderr)
+        return 2
     data = burst.run(options)
     for result in burst.summaries(data):
         print(
