@@ -3,7 +3,9 @@ router process, the run order, and the restart section (tests/vllm runs the real
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +26,7 @@ from extproc.bench.real_vllm import (
 from extproc.bench.real_vllm_peers import SMG_CACHE_AWARE, VLLM_ROUTER_KV_AWARE
 from extproc.bench.real_vllm_restart import RestartResult
 
+REPORTS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks"
 HOSTS = ("127.0.0.21:8200", "127.0.0.22:8200", "127.0.0.23:8200")
 
 
@@ -196,3 +199,19 @@ def test_views_that_never_cleared_are_reported_as_such():
     assert not never.recovered
     text = real_vllm._restart_section(asdict(never))
     assert "**not** within 120 s after the kill" in text and "**no**" in text
+
+
+def test_the_stored_report_has_random_lose_part_of_one_instances_hit_rate():
+    """The CI tier runs RANDOM on documents alone (tests/vllm/tier.py); on the scenarios
+    it checks without it, the stored report is the comparison's evidence."""
+    stored = json.loads((REPORTS / "real-vllm-cpu.json").read_text())
+    rates = {(r["scenario"], r["path"]): r["hit_rate"] for r in stored["results"]}
+    for scenario in ("rag", "conversations"):
+        assert rates[scenario, "RANDOM"] < rates[scenario, SINGLE] - 0.05, scenario
+
+
+def test_random_runs_only_on_the_scenarios_asked_for():
+    options = RealVllmOptions(router_workers=(), peers=(), random_scenarios=("documents",))
+    assert "RANDOM" in paths_of("documents", options)
+    assert "RANDOM" not in paths_of("rag", options)
+    assert "RANDOM" in paths_of("rag", replace(options, random_scenarios=None))

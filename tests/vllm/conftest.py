@@ -10,7 +10,7 @@ import pytest
 from extproc.bench.real_vllm import RealVllmOptions, real_vllm_stack
 from extproc.stack.vllm import VllmUnavailable, vllm_python
 
-from .tier import TIER_SCENARIOS, TIER_WORKERS
+from .tier import TIER_RANDOM, TIER_SCENARIOS, TIER_WORKERS
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +29,7 @@ def options() -> RealVllmOptions:
         out_dir=None,
         scenarios=TIER_SCENARIOS,
         router_workers=TIER_WORKERS,
+        random_scenarios=TIER_RANDOM,
         restart_workers=None,  # the report's (real_vllm_restart.py); not CI's
         peers=(),  # the report's (real_vllm_peers.py); not CI's
     )

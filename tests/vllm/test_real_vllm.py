@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import pytest
@@ -25,9 +26,25 @@ from extproc.stack.vllm import VllmOptions
 
 from .tier import TIER_SCENARIOS, TIER_WORKERS
 
+REPORT = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "real-vllm-cpu.json"
+
 # The first test also runs the module's fixture: three scenarios on four paths each (one
 # shadowed as well), on three CPU engines sharing two cores (about six minutes).
 pytestmark = pytest.mark.timeout(1500)
+
+# How far one instance alone may fall from the stored report's hit rate on a scenario:
+# one engine and the same requests in the same order. The report's run and a tier run
+# here: rag 0.448 and 0.447, conversations 0.729 and 0.729.
+SINGLE_DRIFT = 0.05
+
+
+def stored_hit_rate(scenario: str, path: str) -> float:
+    stored = json.loads(REPORT.read_text())
+    (rate,) = (
+        r["hit_rate"] for r in stored["results"] if (r["scenario"], r["path"]) == (scenario, path)
+    )
+    return float(rate)
+
 
 # At most this share of a path's requests may be moved by load (failed open, retried, shed)
 # rather than routed: beyond it the run says little about the routing.
@@ -93,7 +110,11 @@ def test_defaults_keep_nine_tenths_of_one_instances_hit_rate_and_spread_the_load
 ):
     single = results[scenario, SINGLE].hit_rate
     prefix = results[scenario, "PREFIX_AWARE"]
-    assert single > results[scenario, "RANDOM"].hit_rate  # there is something to keep
+    # There is something to keep: RANDOM runs on documents alone here (tier.py), and the
+    # stored report has it losing part of one instance's hit rate on this scenario
+    # (tests/bench/test_real_vllm_report.py); one engine alone on the same requests gets
+    # about the report's hit rate again.
+    assert single >= stored_hit_rate(scenario, SINGLE) - SINGLE_DRIFT, single
     assert prefix.hit_rate >= 0.9 * single
     # Every instance takes its part. A request moved by load (failed open: 5 of a rag run's
     # 45 once, just after the router restarted for the path) can take one request from an
