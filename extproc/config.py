@@ -302,9 +302,10 @@ class RouterConfig(FrozenModel):
         StreamEnd.RESPONSE,
     )
     shed_lag_s: ShedLag | None = described(
-        "When the router's event loop runs later than this (the worst of its recent "
-        "wake-ups), it sheds: each new request is decided on its headers alone (the least "
-        "loaded host) and its stream ends there, so Envoy sends no body and waits for no "
+        "When the router's event loop runs later than this (the second worst of its "
+        "recent wake-ups: one late wake-up is a pause, not a loop running late), it "
+        "sheds: each new request is decided on its headers alone (the least loaded host) "
+        "and its stream ends there, so Envoy sends no body and waits for no "
         "second answer, and it is counted (prefix_router_shed_total), instead of Envoy's "
         "message_timeout (0.5 s in the generated bootstraps) failing it open unseen. "
         "Keep it well under that timeout. 0 sheds every request (an emergency switch: "

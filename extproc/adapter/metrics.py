@@ -323,7 +323,8 @@ UNDECIDED = Gauge(
 )
 LOOP_LAG = Gauge(
     "prefix_router_event_loop_lag_seconds",
-    "How late the router's event loop woke, the worst of its last wake-ups: every ext_proc "
+    "How late the router's event loop woke, the second worst of its last wake-ups (one late "
+    "wake-up is a pause): every ext_proc "
     "message waits this long and more",
 )
 REFUSED = Counter(
