@@ -19,8 +19,7 @@ tests whose bounds are about speed and load (the benchmarks, the reliability tie
 vLLM) and those that bind fixed ports (the containers, ``up``'s defaults) are one
 ``xdist_group``, run in order on one worker as in a serial run, containers first. The
 other worker takes everything else, one test at a time: the fast tier, the in-process
-fuzzing and benchmark arithmetic (``IN_PROCESS``), and the functional stacks on ports of
-their own (integration, and unit tests
+fuzzing, and the functional stacks on ports of their own (integration, and unit tests
 behind Envoy); by the time the reliability and real-vLLM tiers start, it is done.
 pytest stays below 9.2 until pytest-xdist groups there again (pyproject.toml).
 """
@@ -42,26 +41,8 @@ ENVOY_TIERS = frozenset({"integration", "reliability"})
 ENVOY_FIXTURES = frozenset({"vllm_stack"})
 # The tiers of the serial group (see the docstring), the first of them first.
 SERIAL_TIERS = ("containers", "bench", "reliability", "vllm")
-# Files there that run in process instead, start nothing, bind no port and time nothing:
-# they go beside the serial group (the bench files: ~70 s off its share of CI).
-IN_PROCESS = frozenset(
-    {
-        TESTS / "reliability" / "test_fuzz.py",
-        *(
-            TESTS / "bench" / f"test_{name}.py"
-            for name in (
-                "reports",
-                "real_vllm_report",
-                "fleet_render",
-                "workloads",
-                "wrk",
-                "prefix_index",
-                "kv_events_bench",
-                "ceiling",
-            )
-        ),
-    }
-)
+# Files there that run in process instead: they go beside the serial group.
+IN_PROCESS = frozenset({TESTS / "reliability" / "test_fuzz.py"})
 # Integration files that bind the stack's default ports, time the event loop, or count
 # failed requests through a fault with timeouts set for an unloaded machine (the control
 # plane's outages: beside the benchmarks, a CI run saw 3 of their requests fail).
