@@ -53,6 +53,19 @@ def placements(stack: LocalStack, docs: Iterable[int]) -> dict[int, str]:
     return result
 
 
+def served_cached(stack: LocalStack, docs: Iterable[int]) -> dict[int, tuple[str, bool]]:
+    """Where each document's prefix is served now, and whether that backend had it cached
+    (its usage reports cached tokens: documents differ in their first block)."""
+    result = {}
+    with httpx.Client(base_url=stack.url, timeout=10) as client:
+        for doc in docs:
+            response = client.post(CHAT, json=chat(document(doc)))
+            assert response.status_code == 200, (doc, response.status_code, response.text[:200])
+            cached = response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            result[doc] = (response.headers["x-served-by"], cached > 0)
+    return result
+
+
 def wait_for_fleet(stack: LocalStack, expected: set[str], timeout: float = 15) -> None:
     """Until Envoy's cluster and every router replica hold exactly ``expected``."""
     wait_until(lambda: stack.envoy_hosts() == expected, timeout, f"envoy hosts {expected}")

@@ -10,15 +10,18 @@ import time
 
 import pytest
 
+from extproc.stack import prometheus
 from extproc.stack.local import LocalStack, envoy_counters
 from extproc.stack.processes import wait_until
 
-from .stacks import placements, reliability_spec, wait_for_fleet
+from .stacks import placements, reliability_spec, served_cached, wait_for_fleet
 from .steady import SteadyTraffic
 
 pytestmark = pytest.mark.envoy
 
 DOCS = range(40)
+# The documents the background traffic sends (SteadyTraffic's docs): the first half.
+OUTAGE_DOCS = range(20)
 
 
 @pytest.fixture
@@ -68,7 +71,7 @@ def test_sigkilled_backend_is_routed_around_and_rejoins(stack: LocalStack):
 def test_killed_router_fails_open_and_affinity_returns_with_it(stack: LocalStack):
     fleet = set(stack.backend_addresses)
     before = placements(stack, DOCS)
-    with SteadyTraffic(stack.url).running() as traffic:
+    with SteadyTraffic(stack.url, docs=len(OUTAGE_DOCS)).running() as traffic:
         traffic.wait_for(50)
         assert stack.router is not None
         stack.router.kill()
@@ -87,13 +90,54 @@ def test_killed_router_fails_open_and_affinity_returns_with_it(stack: LocalStack
         )
         during = traffic.since(killed_at)
         stack.start_router()
-        # Envoy's 1 s health check brings the router back into its ext_proc cluster.
-        wait_until(lambda: placements(stack, DOCS) == before, 15, what="affinity to return")
+        # Envoy's 1 s health check brings the router back into its ext_proc cluster; until
+        # then requests still fail open (and a probe would spread the documents further).
+        # Its admin page says healthy a little before its workers act on it
+        # (tests/integration/test_router_failure.py), so: until the router decides the
+        # traffic and nothing more fails open.
+        wait_until(
+            BackInThePath(stack), 10, "Envoy to route through the router again", interval_s=0.5
+        )
+        # The restarted router learns from the engines' KV events what each holds. The
+        # documents the outage's traffic sent are cached at home and wherever Envoy sent them
+        # failing open: each goes to a host that holds it (of equal holders, the less loaded).
+        # The others are cached at home alone, and go there.
+        wait_until(
+            lambda: affinity_returned(stack, before),
+            15,
+            what="affinity to return",
+        )
         traffic.wait_for(50)
     assert len(during) >= 50, traffic.summary()
     assert all(s.status == 200 for s in during), traffic.summary()  # fail open
     assert_clean(traffic, fleet, 200)
     assert traffic.backend_failures == []
+
+
+class BackInThePath:
+    """True once, between two polls, the router decided at least 10 requests and Envoy
+    failed none open."""
+
+    def __init__(self, stack: LocalStack) -> None:
+        self._stack = stack
+        self._last: tuple[float, float] | None = None
+
+    def __call__(self) -> bool:
+        failed_open = envoy_counters(self._stack.admin_url, "http.ingress.ext_proc.").get(
+            "failure_mode_allowed", 0.0
+        )
+        decided = prometheus.total(
+            prometheus.scrape(self._stack.router_metrics_url), "prefix_router_decisions_total"
+        )
+        last, self._last = self._last, (failed_open, decided)
+        return last is not None and failed_open == last[0] and decided >= last[1] + 10
+
+
+def affinity_returned(stack: LocalStack, before: dict[int, str]) -> bool:
+    now = served_cached(stack, DOCS)
+    spread_by_the_outage = all(now[doc][1] for doc in OUTAGE_DOCS)
+    at_home = all(now[doc] == (before[doc], True) for doc in DOCS if doc not in OUTAGE_DOCS)
+    return spread_by_the_outage and at_home
 
 
 def test_control_plane_outage_of_30s_fails_nothing_and_moves_nothing(stack: LocalStack):
