@@ -56,6 +56,7 @@ RENDERERS = {
     "concurrency": "extproc.bench.concurrency",
     "fleet": "extproc.bench.fleet_render",
     "fleet-events": "extproc.bench.fleet_events",
+    "http-clients": "extproc.bench.http_clients",
     "kv-events": "extproc.bench.kv_events",
     "long-streams": "extproc.bench.long_streams",
     "overhead": "extproc.bench.overhead",

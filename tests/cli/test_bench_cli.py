@@ -2,6 +2,7 @@
 older `bench --workload WORKLOAD` form reaches the same runner."""
 
 import argparse
+import re
 from pathlib import Path
 from typing import get_args
 
@@ -21,6 +22,7 @@ OTHERS = (
     "scale-event",
     "prefix-index",
     "kv-events",
+    "http-clients",
     "sim-vs-vllm",
     "soak",
     "saturation",
@@ -282,3 +284,10 @@ def test_real_vllm_subsets_and_the_unshared_comparison_are_validated(capsys):
         with pytest.raises(SystemExit):
             parse_args(["bench", "real-vllm", flag, bad])
         assert f"{flag}: {said}" in capsys.readouterr().err
+
+
+def test_readme_names_every_workload():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    listed = readme[readme.index("with WORKLOAD one of") :].split(", runs", 1)[0]
+    names = set(re.findall(r"[a-z][a-z-]*[a-z]", listed.replace("\n", " ")))
+    assert set(WORKLOADS) <= names, set(WORKLOADS) - names

@@ -94,6 +94,22 @@ def run_kv_events(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_http_clients(args: argparse.Namespace) -> int:
+    from extproc.bench import http_clients
+
+    options = http_clients.HttpClientOptions(
+        rounds=1 if args.quick else args.rounds, out_dir=args.out, command=command_line(args)
+    )
+    if args.quick:
+        options = replace(options, levels=(200,), stream_s=1.0, itl_s=0.1)
+    for row in http_clients.summary(http_clients.run(options)):
+        print(
+            f"{row['level']} at once, {row['client']}: {row['cpu_ms_per_request']:.2f} ms "
+            f"of client CPU per request, whole: {row['all_completed']}"
+        )
+    return 0
+
+
 WORKLOADS = (
     Workload(
         "overhead",
@@ -118,6 +134,12 @@ WORKLOADS = (
         "what reading the engines' KV events costs: the request path, ingestion, memory",
         (quick, out),
         run_kv_events,
+    ),
+    Workload(
+        "http-clients",
+        "the load generators' client: its CPU per streaming request, aiohttp's and httpx's",
+        (rounds, quick, out),
+        run_http_clients,
     ),
     Workload(
         "prefix-index",
