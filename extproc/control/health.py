@@ -156,12 +156,16 @@ class HealthChecker:
     ) -> None:
         """Check every `interval_s` until `stop` is set.
 
-        `on_change` gets the states after the first round and then whenever the healthy
-        set or a healthy host's models change: unhealthy hosts are never published, so
-        their counters and models moving is not news.
+        `on_change` gets the states after round `healthy_threshold` and then whenever the
+        healthy set or a healthy host's models change: unhealthy hosts are never published,
+        so their counters and models moving is not news. Before that round no host could
+        have passed enough probes: every host is unknown, not unhealthy, and publishing
+        the set of none would have Envoy and the routers, which keep their last set until
+        a control plane that restarted publishes, drop the whole fleet for a round.
         """
         loop = asyncio.get_running_loop()
         published: dict[str, tuple[str, ...]] | None = None
+        rounds = 0
         async with self._client_factory() as client:
             self._client = client
             try:
@@ -169,8 +173,9 @@ class HealthChecker:
                     round_started = loop.time()
                     # A round is bounded by timeout_s, so stop waits at most that long.
                     states = await self._check_with(client, addresses())
+                    rounds += 1
                     view = _published_view(states)
-                    if view != published:
+                    if rounds >= self._policy.healthy_threshold and view != published:
                         published = view
                         on_change(states)
                     remaining = self._policy.interval_s - (loop.time() - round_started)

@@ -361,24 +361,52 @@ async def test_run_reports_transitions_only_and_stops_promptly() -> None:
 
     async with simulator(SIM_HOST, int(sim_address.rpartition(":")[2])):
         runner = asyncio.create_task(checker.run(addresses, changes.append, stop))
-        # Rounds 1 and 2 report (first round, then admission); the rest are quiet.
+        # Round 2 reports the admission (round 1 could admit no host, so it reports
+        # nothing); the rest are quiet.
         await wait_for_rounds(5)
-        assert healthy_sets() == [set(), {sim_address}]
+        assert healthy_sets() == [{sim_address}]
         assert changes[-1][sim_address].models == (MODEL,)
     # Ejection after unhealthy_threshold=2 failed rounds is reported once.
     await wait_for_rounds(4)
-    assert healthy_sets() == [set(), {sim_address}, set()]
+    assert healthy_sets() == [{sim_address}, set()]
 
     stop.set()
     started = time.monotonic()
     async with asyncio.timeout(5):
         await runner
     assert time.monotonic() - started < FAST.timeout_s + 0.5
-    assert len(changes) == 3
+    assert len(changes) == 2
+
+
+async def test_run_publishes_nothing_before_a_host_could_be_admitted() -> None:
+    # A control plane that restarts knows no host yet: it must not publish the set of
+    # none (Envoy and the routers keep their last set until it publishes).
+    checker = HealthChecker(HealthPolicy(interval_s=0.2, timeout_s=0.2, healthy_threshold=3))
+    changes: list[Mapping[str, HostHealth]] = []
+    published_before_round: list[int] = []
+    stop = asyncio.Event()
+    sim_address = f"{SIM_HOST}:{free_port(SIM_HOST)}"
+
+    def addresses() -> list[str]:
+        published_before_round.append(len(changes))
+        return [sim_address]
+
+    async with simulator(SIM_HOST, int(sim_address.rpartition(":")[2])):
+        runner = asyncio.create_task(checker.run(addresses, changes.append, stop))
+        await wait_until_async(
+            lambda: len(published_before_round) >= 4, 10, "4 rounds begun", interval_s=0.01
+        )
+        # Nothing before rounds 1 to 3 began; round 3 admitted the host and published.
+        assert published_before_round[:4] == [0, 0, 0, 1]
+        assert [{a for a, s in c.items() if s.healthy} for c in changes] == [{sim_address}]
+        stop.set()
+        async with asyncio.timeout(5):
+            await runner
 
 
 async def test_run_stops_during_a_long_interval() -> None:
-    checker = HealthChecker(HealthPolicy(interval_s=30, timeout_s=0.5))
+    # A threshold of 1: the first round publishes, and then a long interval begins.
+    checker = HealthChecker(HealthPolicy(interval_s=30, timeout_s=0.5, healthy_threshold=1))
     reported = asyncio.Event()
     stop = asyncio.Event()
     runner = asyncio.create_task(
@@ -421,15 +449,17 @@ async def test_run_probes_a_host_over_one_connection_round_after_round() -> None
     rounds = 0
     stop = asyncio.Event()
 
-    def count_round(_: Mapping[str, HostHealth]) -> None:
-        nonlocal rounds
-        rounds += 1
-
     async with app_server(app, SIM_HOST) as address:
+
+        def count_round() -> list[str]:
+            nonlocal rounds
+            rounds += 1
+            return [address]
+
         checker = HealthChecker(HealthPolicy(interval_s=0.05, timeout_s=0.05))
-        runner = asyncio.create_task(checker.run(lambda: [address], count_round, stop))
-        # Reported twice: the first round, then the admission at the second.
-        await wait_until_async(lambda: rounds == 2, 10, "the host's admission", interval_s=0.01)
+        runner = asyncio.create_task(checker.run(count_round, lambda _: None, stop))
+        # Round 3 begins once rounds 1 and 2 (the admission) have probed the host.
+        await wait_until_async(lambda: rounds >= 3, 10, "two rounds probed", interval_s=0.01)
         stop.set()
         await runner
     assert len(connections) == 1
