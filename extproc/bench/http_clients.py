@@ -12,6 +12,7 @@ with each client in turn, in interleaved rounds; the client's CPU time is its pr
 from __future__ import annotations
 
 import asyncio
+import gc
 import statistics
 import sys
 import tempfile
@@ -26,6 +27,7 @@ import httpx
 import structlog
 
 from extproc.bench import report
+from extproc.bench.probes import cpu_seconds
 from extproc.stack.processes import ManagedProcess, free_ports, http_ok, wait_until
 
 log = structlog.get_logger("bench")
@@ -39,7 +41,8 @@ LOAD_GENERATORS = ("extproc.bench.loadgen", "extproc.bench.burst", "extproc.benc
 
 @dataclass(frozen=True)
 class HttpClientOptions:
-    # Streaming requests sent at once, one connection each (as the burst sends them).
+    # Streaming requests sent at once, one connection each (as burst and concurrency send
+    # them; loadgen keeps connections alive, which this run does not measure).
     levels: tuple[int, ...] = (500, 2000)
     stream_s: float = 4.0
     itl_s: float = 0.1
@@ -52,6 +55,12 @@ class HttpClientOptions:
         unknown = [name for name in self.clients if name not in CLIENTS]
         if unknown:
             raise ValueError(f"clients: unknown {unknown}, expected some of {list(CLIENTS)}")
+        if not self.clients or len(set(self.clients)) != len(self.clients):
+            raise ValueError(f"clients: expected distinct names, got {list(self.clients)}")
+        if not self.stream_s > 0:
+            raise ValueError(f"stream_s: expected seconds above 0, got {self.stream_s}")
+        if not self.itl_s > 0:
+            raise ValueError(f"itl_s: expected seconds above 0, got {self.itl_s}")
         if self.rounds < 1:
             raise ValueError(f"rounds: expected at least 1, got {self.rounds}")
         if not self.levels or min(self.levels) < 1:
@@ -106,7 +115,7 @@ async def _httpx_streams(url: str, level: int, tokens: int, timeout_s: float) ->
                     request = client.stream("POST", url, json=_body(n, tokens))
                     async with request as response:
                         async for line in response.aiter_lines():
-                            events += _is_event(line.encode())
+                            events += line.startswith("data: ") and line != "data: [DONE]"
             except (httpx.HTTPError, TimeoutError):
                 pass
             return events
@@ -121,18 +130,24 @@ DRIVERS: dict[str, Driver] = {
 }
 
 
-def measure(client: str, url: str, level: int, options: HttpClientOptions) -> dict[str, Any]:
-    """One round of one client at one level: its process's CPU time and the wall time."""
+def measure(
+    client: str, url: str, level: int, options: HttpClientOptions, sim_pid: int
+) -> dict[str, Any]:
+    """One round of one client at one level: its process's CPU time, the simulator's, and
+    the wall time of the round (connections included)."""
     timeout_s = options.stream_s * 3 + 60
-    cpu, wall = time.process_time(), time.monotonic()
+    gc.collect()  # the garbage of the round before is not charged to this one
+    cpu, sim_cpu, wall = time.process_time(), cpu_seconds(sim_pid), time.monotonic()
     events = asyncio.run(DRIVERS[client](url, level, options.tokens, timeout_s))
     cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+    sim_cpu = cpu_seconds(sim_pid) - sim_cpu
     result = {
         "client": client,
         "level": level,
         "completed": sum(1 for e in events if e >= options.tokens),
         "events": sum(events),
         "cpu_s": round(cpu, 3),
+        "sim_cpu_s": round(sim_cpu, 3),
         "wall_s": round(wall, 3),
     }
     log.info("http_clients.round", **result)
@@ -152,11 +167,14 @@ def run(options: HttpClientOptions) -> dict[str, Any]:
         try:
             wait_until(lambda: http_ok(f"http://{address}/health"), 30, "the simulator", sim)
             url = f"http://{address}/v1/chat/completions"
+            assert sim.popen is not None
+            # Each round reverses the order of the one before, so neither client always
+            # follows the other (and the simulator's closing of its connections).
             rounds = [
-                measure(client, url, level, options)
-                for _ in range(options.rounds)
+                measure(client, url, level, options, sim.popen.pid)
+                for number in range(options.rounds)
                 for level in options.levels
-                for client in options.clients
+                for client in (options.clients[::-1] if number % 2 else options.clients)
             ]
         finally:
             sim.stop()
@@ -196,6 +214,7 @@ def summary(data: dict[str, Any]) -> list[dict[str, Any]]:
                     ),
                     "core_share": statistics.median(r["cpu_s"] / r["wall_s"] for r in runs),
                     "wall_s": statistics.median(r["wall_s"] for r in runs),
+                    "sim_core_share": statistics.median(r["sim_cpu_s"] / r["wall_s"] for r in runs),
                 }
             )
     return rows
@@ -206,7 +225,9 @@ def cheaper(data: dict[str, Any]) -> str:
     round of both read every stream whole."""
     largest = max(data["options"]["levels"])
     rows = [r for r in summary(data) if r["level"] == largest]
-    if len(rows) < 2 or not all(r["all_completed"] for r in rows):
+    if {r["client"] for r in rows} != set(CLIENTS):
+        raise ValueError(f"the run did not measure every client: {list(CLIENTS)}")
+    if not all(r["all_completed"] for r in rows):
         raise ValueError(f"the run did not complete every stream of {largest} with each client")
     return str(min(rows, key=lambda r: r["cpu_ms_per_request"])["client"])
 
@@ -221,6 +242,7 @@ def _row(row: dict[str, Any]) -> list[str]:
         f"{row['cpu_us_per_event']:.1f}",
         f"{row['core_share']:.2f}",
         f"{row['wall_s']:.1f}",
+        f"{row['sim_core_share']:.2f}",
     ]
 
 
@@ -235,7 +257,8 @@ def render(data: dict[str, Any]) -> str:
         "client CPU per request (ms)",
         "client CPU per event (µs)",
         "share of a core",
-        "wall time (s)",
+        "round's wall time (s)",
+        "simulator's share of a core",
     ]
     table = report.markdown_table(header, [_row(r) for r in rows])
     ratios = []
@@ -269,8 +292,9 @@ Medians of {options["rounds"]} round(s).
 
 {ratio_lines}
 
-A stream's wall time past its {options["stream_s"]:g} s is time the client (at a whole core)
-or the simulator took to read and write it.
+A round's wall time is from its first connection to its last stream's end. Past the
+streams' {options["stream_s"]:g} s it is time the client or the simulator (one process, its
+share of a core beside the client's) took to read and write them.
 
 {verdict}
 

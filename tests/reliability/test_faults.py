@@ -100,10 +100,11 @@ def test_killed_router_fails_open_and_affinity_returns_with_it(stack: LocalStack
         )
         # The restarted router learns from the engines' KV events what each holds. The
         # documents the outage's traffic sent are cached at home and wherever Envoy sent them
-        # failing open: each goes to a host that holds it (of equal holders, the less loaded).
-        # The others are cached at home alone, and go there.
+        # failing open: each goes to one of those holders (of equal holders, the less
+        # loaded). The others are cached at home alone, and go there: they are the test of
+        # affinity.
         wait_until(
-            lambda: affinity_returned(stack, before),
+            lambda: affinity_returned(stack, before, traffic),
             15,
             what="affinity to return",
         )
@@ -123,9 +124,7 @@ class BackInThePath:
         self._last: tuple[float, float] | None = None
 
     def __call__(self) -> bool:
-        failed_open = envoy_counters(self._stack.admin_url, "http.ingress.ext_proc.").get(
-            "failure_mode_allowed", 0.0
-        )
+        failed_open = _failed_open(self._stack)
         decided = prometheus.total(
             prometheus.scrape(self._stack.router_metrics_url), "prefix_router_decisions_total"
         )
@@ -133,11 +132,25 @@ class BackInThePath:
         return last is not None and failed_open == last[0] and decided >= last[1] + 10
 
 
-def affinity_returned(stack: LocalStack, before: dict[int, str]) -> bool:
+def affinity_returned(stack: LocalStack, before: dict[int, str], traffic: SteadyTraffic) -> bool:
+    failed_open = _failed_open(stack)
     now = served_cached(stack, DOCS)
-    spread_by_the_outage = all(now[doc][1] for doc in OUTAGE_DOCS)
+    # A probe that failed open would cache its document on a second host and leave the
+    # router free to pick either from then on: that is a broken test, not a slow router.
+    assert _failed_open(stack) == failed_open, "requests failed open while probing"
+    sent = traffic.sent
+    holders = {
+        doc: {before[doc]} | {s.served_by for s in sent if s.doc == doc and s.served_by}
+        for doc in OUTAGE_DOCS
+    }
+    spread_by_the_outage = all(now[doc][0] in holders[doc] and now[doc][1] for doc in OUTAGE_DOCS)
     at_home = all(now[doc] == (before[doc], True) for doc in DOCS if doc not in OUTAGE_DOCS)
     return spread_by_the_outage and at_home
+
+
+def _failed_open(stack: LocalStack) -> float:
+    counters = envoy_counters(stack.admin_url, "http.ingress.ext_proc.")
+    return counters.get("failure_mode_allowed", 0.0)
 
 
 def test_control_plane_outage_of_30s_fails_nothing_and_moves_nothing(stack: LocalStack):
