@@ -44,26 +44,30 @@ def reliability_spec(backends: int = 3, **overrides: Any) -> StackSpec:
 
 def placements(stack: LocalStack, docs: Iterable[int]) -> dict[int, str]:
     """Where each document's prefix is served now, by the backend's own x-served-by."""
-    result = {}
-    with httpx.Client(base_url=stack.url, timeout=10) as client:
-        for doc in docs:
-            response = client.post(CHAT, json=chat(document(doc)))
-            assert response.status_code == 200, (doc, response.status_code, response.text[:200])
-            result[doc] = response.headers["x-served-by"]
-    return result
+    return {doc: response.headers["x-served-by"] for doc, response in _asked(stack, docs)}
 
 
 def served_cached(stack: LocalStack, docs: Iterable[int]) -> dict[int, tuple[str, bool]]:
     """Where each document's prefix is served now, and whether that backend had it cached
     (its usage reports cached tokens: documents differ in their first block)."""
-    result = {}
+    return {
+        doc: (
+            response.headers["x-served-by"],
+            response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0,
+        )
+        for doc, response in _asked(stack, docs)
+    }
+
+
+def _asked(stack: LocalStack, docs: Iterable[int]) -> list[tuple[int, httpx.Response]]:
+    """Each document asked once through the stack, in order; every answer a 200."""
+    answers = []
     with httpx.Client(base_url=stack.url, timeout=10) as client:
         for doc in docs:
             response = client.post(CHAT, json=chat(document(doc)))
             assert response.status_code == 200, (doc, response.status_code, response.text[:200])
-            cached = response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-            result[doc] = (response.headers["x-served-by"], cached > 0)
-    return result
+            answers.append((doc, response))
+    return answers
 
 
 def wait_for_fleet(stack: LocalStack, expected: set[str], timeout: float = 15) -> None:
