@@ -137,8 +137,9 @@ def register(commands: Commands) -> None:
     parser.add_argument(
         "--upstream-host-header",
         action="store_true",
-        help="add x-upstream-host (the backend that served it) to every response: for "
-        "demos and debugging; it shows clients the fleet's addresses",
+        help="add x-upstream-host (the backend that served it) and x-router-target (the "
+        "router's choice) to every response: for demos and debugging; it shows clients "
+        "the fleet's addresses",
     )
     _add_tls_flags(parser, "router", "the routers (the ext_proc and completion-log clusters)")
     _add_tls_flags(parser, "xds", "the control plane (the xds cluster; EDS only)")

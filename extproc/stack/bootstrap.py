@@ -35,6 +35,10 @@ RouterEndpoint = tuple[str, int] | str
 
 # Headers a client might use to pick an upstream; all are removed before ext_proc runs.
 CLIENT_ROUTING_HEADERS = (TARGET_HEADER, "x-envoy-original-dst-host", LB_METADATA_KEY)
+# With upstream_host_header, each response also names the router's primary for it (empty
+# where Envoy went without the router's answer: failed open): a response served by another
+# host was failed over, retried or failed open, not placed there.
+ROUTER_TARGET_HEADER = "x-router-target"
 BACKEND_CLUSTER = "vllm"
 ROUTER_CLUSTER = "prefix_router"
 # The routers again, one cluster each, for the access log that reports completions.
@@ -74,9 +78,10 @@ class BootstrapParams:
     # stream_end: decision (without it their load is the load feed's estimate).
     completion_log: bool = False
     message_timeout_ms: int = 500
-    # x-upstream-host on every response names the backend that served it: for demos and
-    # tests (`prefix-router up` and the test stacks turn it on), never in the shipped
-    # bootstraps, where it would show clients the fleet's addresses.
+    # x-upstream-host on every response names the backend that served it, and
+    # x-router-target the router's primary: for demos and tests (`prefix-router up` and
+    # the test stacks turn it on), never in the shipped bootstraps, where it would show
+    # clients the fleet's addresses.
     upstream_host_header: bool = False
     retries: int = 2
     # False gives plain Envoy (least-request over the cluster): the no-router baseline.
@@ -432,7 +437,11 @@ def _route_config(params: BootstrapParams) -> dict[str, Any]:
             {
                 "header": {"key": "x-upstream-host", "value": "%UPSTREAM_HOST%"},
                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-            }
+            },
+            {
+                "header": {"key": ROUTER_TARGET_HEADER, "value": f"%REQ({TARGET_HEADER})%"},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+            },
         ]
     return {"name": "llm", "virtual_hosts": [virtual_host]}
 

@@ -54,6 +54,7 @@ def test_bootstrap_validates_in_envoy(tmp_path, mode, upstream_host_header, body
     )
     validate_in_envoy(path)
     assert ("x-upstream-host" in path.read_text()) is upstream_host_header
+    assert ("x-router-target" in path.read_text()) is upstream_host_header
 
 
 def test_original_dst_strips_client_routing_headers_before_ext_proc():

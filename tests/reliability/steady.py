@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from extproc.stack.bootstrap import ROUTER_TARGET_HEADER
 from extproc.stack.processes import WaitTimeout, wait_until
 
 from ..prompts import document
@@ -43,11 +44,20 @@ class Sent:
     served_by: str | None  # the backend's x-served-by, None if no backend answered
     upstream: str | None  # Envoy's x-upstream-host
     error: str | None = None  # transport error, including a response cut mid-body
+    # The router's primary for it (x-router-target): None or empty where Envoy went without
+    # the router's answer (failed open).
+    routed_to: str | None = None
 
     @property
     def routing_failure(self) -> bool:
         """No backend answered, and the client got an error: the routing layer failed."""
         return self.served_by is None and (self.status == 0 or self.status >= 500)
+
+    @property
+    def strayed(self) -> bool:
+        """A backend served it, but not the one the router chose: Envoy failed it over,
+        retried it elsewhere or failed it open, and that backend now caches its prompt."""
+        return self.served_by is not None and self.served_by != self.routed_to
 
     @property
     def backend_failure(self) -> bool:
@@ -101,6 +111,14 @@ class SteadyTraffic:
     def backend_failures(self) -> list[Sent]:
         return [s for s in self.sent if s.backend_failure]
 
+    def strays(self) -> dict[int, set[str]]:
+        """For each document, the backends that served it against the router's choice."""
+        found: dict[int, set[str]] = {}
+        for s in self.sent:
+            if s.strayed and s.served_by is not None:
+                found.setdefault(s.doc, set()).add(s.served_by)
+        return found
+
     def served_outside(self, fleet: set[str]) -> list[Sent]:
         return [s for s in self.sent if s.served_by is not None and s.served_by not in fleet]
 
@@ -110,7 +128,8 @@ class SteadyTraffic:
         for s in sent:
             statuses[s.status] = statuses.get(s.status, 0) + 1
         errors = [s.error for s in sent if s.error][:3]
-        return f"{len(sent)} sent, statuses {statuses}, first errors {errors}"
+        strayed = sum(s.strayed for s in sent)
+        return f"{len(sent)} sent, statuses {statuses}, {strayed} strayed, first errors {errors}"
 
     def wait_for(self, count: int, timeout_s: float = 30.0) -> None:
         """Block until ``count`` more requests have completed, or ``timeout_s`` has passed:
@@ -121,17 +140,18 @@ class SteadyTraffic:
 
     async def _one(self, client: httpx.AsyncClient, doc: int) -> None:
         at = time.monotonic()
-        status, served_by, upstream, error = 0, None, None, None
+        status, served_by, upstream, routed_to, error = 0, None, None, None, None
         try:
             async with client.stream("POST", CHAT, json=self._body(doc)) as response:
                 status = response.status_code
                 served_by = response.headers.get("x-served-by")
                 upstream = response.headers.get("x-upstream-host")
+                routed_to = response.headers.get(ROUTER_TARGET_HEADER)
                 await response.aread()
         except httpx.HTTPError as caught:
             error = f"{type(caught).__name__}: {caught}"
         with self._lock:
-            self._sent.append(Sent(at, doc, status, served_by, upstream, error))
+            self._sent.append(Sent(at, doc, status, served_by, upstream, error, routed_to))
 
     async def _run(self) -> None:
         limits = httpx.Limits(max_connections=self._max_concurrency)

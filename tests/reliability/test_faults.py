@@ -37,6 +37,22 @@ def assert_clean(traffic: SteadyTraffic, fleet: set[str], at_least: int) -> None
     assert traffic.served_outside(fleet) == []
 
 
+def moved(after: dict[int, str], before: dict[int, str], traffic: SteadyTraffic) -> dict:
+    """The documents whose probe moved between two rounds, but for those that moved to a
+    host the background traffic had served them on against the router's choice (Envoy
+    failed the request over, retried it or failed it open on a busy machine): that host
+    caches the document too, and of two holders the router may pick either (affinity.py)."""
+    sent = traffic.sent
+    # Without the router's choice on its responses every request would look strayed.
+    assert any(s.routed_to and s.served_by == s.routed_to for s in sent), traffic.summary()
+    strays = traffic.strays()
+    return {
+        doc: (before[doc], host)
+        for doc, host in after.items()
+        if host != before[doc] and host not in strays.get(doc, set())
+    }
+
+
 def test_sigkilled_backend_is_routed_around_and_rejoins(stack: LocalStack):
     fleet = set(stack.backend_addresses)
     before = placements(stack, DOCS)
@@ -56,11 +72,12 @@ def test_sigkilled_backend_is_routed_around_and_rejoins(stack: LocalStack):
     for doc in DOCS:
         if before[doc] == victim_address:
             assert without[doc] in fleet - {victim_address}
-        else:
-            assert without[doc] == before[doc]  # only the dead host's prefixes moved
+    # Only the dead host's prefixes moved.
+    survivors = {doc: host for doc, host in before.items() if host != victim_address}
+    assert moved({doc: without[doc] for doc in survivors}, survivors, traffic) == {}
     # The restarted host's cache is empty: its old prefixes stay where they are cached
     # now, and it takes new ones.
-    assert rejoined == without
+    assert moved(rejoined, without, traffic) == {}, traffic.summary()
     assert victim_address in fresh.values()
     assert_clean(traffic, fleet, 250)
     # A response already streaming from the host when it died is cut; with max_tokens=1
@@ -179,7 +196,8 @@ def test_control_plane_outage_of_30s_fails_nothing_and_moves_nothing(stack: Loca
         wait_for_fleet(stack, fleet)
         after = placements(stack, DOCS)
         traffic.wait_for(50)
-    assert during == before == after
+    assert moved(during, before, traffic) == {}, traffic.summary()
+    assert moved(after, before, traffic) == {}, traffic.summary()
     assert_clean(traffic, fleet, 1000)
     assert traffic.backend_failures == []
 
@@ -212,11 +230,10 @@ def test_scale_3_to_7_to_2_under_load(stack: LocalStack):
         shrunk = placements(stack, DOCS)
         traffic.wait_for(100)
     # Growing moves no cached prefix; shrinking moves only those of the removed hosts.
-    assert grown == before
-    for doc in DOCS:
-        assert shrunk[doc] in two
-        if before[doc] in two:
-            assert shrunk[doc] == before[doc]
+    assert moved(grown, before, traffic) == {}, traffic.summary()
+    assert set(shrunk.values()) <= set(two)
+    kept = {doc: host for doc, host in before.items() if host in two}
+    assert moved({doc: shrunk[doc] for doc in kept}, kept, traffic) == {}, traffic.summary()
     assert len(set(fresh.values()) & set(extra)) >= 3  # the new hosts take new prefixes
     assert_clean(traffic, set(three + extra), 250)
     assert traffic.backend_failures == []
@@ -265,7 +282,8 @@ def test_router_config_reload_mid_traffic_rejects_an_invalid_edit(stack: LocalSt
     assert out_of_range["path"] == str(stack.router_config_path())
     assert "valid YAML" in garbage["error"]
     # The last good config (PREFIX_AWARE) stayed in force: placements did not scatter.
-    assert after_invalid == applied == after_garbage
+    assert moved(after_invalid, applied, traffic) == {}, traffic.summary()
+    assert moved(after_garbage, applied, traffic) == {}, traffic.summary()
     assert len(set(before.values())) == 3
     assert stack.router.popen.pid == pid and stack.router.running
     assert_clean(traffic, fleet, 150)
