@@ -19,6 +19,12 @@ def cell(size: int, *results: dict, upload: str = "fixed") -> dict:
     return {"size": size, "upload": upload, "results": list(results)}
 
 
+def described(cell: dict) -> str:
+    """A cell and each of its requests' ends, whole (pytest cuts a dict's repr short)."""
+    where = f"{cell['mode']} {cell['body_mode']} {cell['size']} B {cell['upload']}"
+    return f"{where}: {cell['results']}"
+
+
 def test_bodies_are_valid_chat_completions_of_exactly_their_size():
     assert body_of_size(0) == b""
     for size in (300, 64 * 1024, 3 * MiB):
@@ -60,7 +66,7 @@ def test_a_small_ladder_holds_in_every_variant_and_renders_from_the_stored_run(t
     data = bodies.run(options)
     assert {(c["mode"], c["body_mode"]) for c in data["cells"]} == set(bodies.VARIANTS)
     for result in data["cells"]:
-        assert cell_holds(result, MAX_BODY, data["options"]), result
+        assert cell_holds(result, MAX_BODY, data["options"]), described(result)
     assert bodies.holds(data)
     rendered = (tmp_path / "bodies.md").read_text()
     assert "**Held:** all 48 requests ended as they should; none hung." in rendered
