@@ -34,6 +34,8 @@ from extproc.events.wire import (
 )
 from extproc.stack.processes import wait_until_async
 
+from ..vllm_install import wait_for_vllm_install
+
 REPO = Path(__file__).resolve().parents[2]
 MARK = "@@"  # vLLM logs on stdout too; our answers carry this prefix
 
@@ -155,6 +157,7 @@ class VllmSide:
 
 @pytest.fixture(scope="module")
 def vllm() -> Iterator[VllmSide]:
+    wait_for_vllm_install()
     python = _vllm_python()
     if python is None:
         if os.environ.get("CI"):

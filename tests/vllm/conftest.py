@@ -10,11 +10,13 @@ import pytest
 from extproc.bench.real_vllm import RealVllmOptions, real_vllm_stack
 from extproc.stack.vllm import VllmUnavailable, vllm_python
 
+from ..vllm_install import wait_for_vllm_install
 from .tier import TIER_RANDOM, TIER_SCENARIOS, TIER_WORKERS
 
 
 @pytest.fixture(scope="session")
 def vllm_interpreter() -> str:
+    wait_for_vllm_install()
     try:
         return vllm_python()
     except VllmUnavailable as error:
