@@ -14,22 +14,22 @@ that starts a stack with Envoy (the real-vLLM stack), and tests marked by hand e
 ``fast`` is the default tier: ``unit`` tests that do not run Envoy (``pytest -m fast``).
 CI runs every tier.
 
-README's test command runs two pytest-xdist workers (``-n 2 --dist loadgroup``). Two
-``xdist_group``s each run in order on one worker, side by side:
+README's test command runs two pytest-xdist workers (``-n 2 --dist loadgroup``). The
+tests whose bounds are about speed and load (the benchmarks, the reliability tier, real
+vLLM) and those that bind fixed ports (the containers, ``up``'s defaults) are one
+``xdist_group``, run in order on one worker as in a serial run, containers first. The
+other worker takes everything else, one test at a time: the fast tier, the in-process
+fuzzing, and the functional stacks on ports of their own (integration, and unit tests
+behind Envoy), and last the tests outside the vLLM tier that need real vLLM, which CI
+installs beside the first tests (tests/vllm_install.py); by the time the reliability and
+real-vLLM tiers start, it is done.
 
-- ``timed``: the tests whose bounds are about speed and load (the benchmarks, the
-  reliability tier, and the integration files that time the event loop or count failed
-  requests through a fault), so that no two of them run at once;
-- ``pinned``: the tests that bind fixed ports or need Docker or real vLLM (the
-  containers, ``up``'s defaults, the real-vLLM tier), so that no two of them collide;
-  real vLLM last, as CI installs it beside the first tests (tests/vllm_install.py).
-
-xdist hands out the larger group first, so each worker starts on one of them. Everything
-else, one test at a time, fills in on whichever worker is free: the fast tier, the
-in-process fuzzing, and the functional stacks on ports of their own (integration, and
-unit tests behind Envoy). In a clean-clone CI run on this machine kind the timed group
-took about 18 minutes of work, the pinned one 10 and the rest 12, so the two workers end
-together instead of one idling for 16 minutes while the other ran both groups.
+Why not two groups side by side (the timed tests on one worker, Docker, fixed ports and
+real vLLM on the other)? In a clean-clone CI run that split (36d807c) the tests took
+1,942 s instead of 1,690, and three benchmark smoke runs failed: real vLLM keeps both
+cores busy, so beside it the benchmarks ran 1.5 times as long (990 s against 650) and so
+did the real-vLLM tier (840 s against 563), and Envoy's 0.5 s message timeout ran out on a
+33 MiB body (a 504 for the router's 413).
 pytest stays below 9.2 until pytest-xdist groups there again (pyproject.toml).
 """
 
@@ -48,25 +48,26 @@ SLOW_TIERS = ("integration", "reliability", "bench", "vllm", "containers")
 ENVOY_TIERS = frozenset({"integration", "reliability"})
 # Fixtures that start a stack with the real Envoy binary in it.
 ENVOY_FIXTURES = frozenset({"vllm_stack"})
-# The two groups (see the docstring), and where each tier and named file goes.
-TIMED, PINNED = "timed", "pinned"
-GROUP_TIERS = {"containers": PINNED, "vllm": PINNED, "bench": TIMED, "reliability": TIMED}
-# The order within each group, by tier: containers first, real vLLM last.
-TIER_ORDER = ("containers", "bench", "reliability", "vllm")
-# Files of those tiers that run in process instead: they run outside both groups.
+# The tiers of the serial group (see the docstring), the first of them first.
+SERIAL_TIERS = ("containers", "bench", "reliability", "vllm")
+# Files there that run in process instead: they go beside the serial group.
 IN_PROCESS = frozenset({TESTS / "reliability" / "test_fuzz.py"})
-# Integration files in a group: those that bind the stack's default ports (pinned), and
-# those that time the event loop or count failed requests through a fault with timeouts
-# set for an unloaded machine (timed: the control plane's outages; beside the benchmarks,
-# a CI run saw 3 of their requests fail).
-GROUP_FILES = {
-    TESTS / "integration" / "test_up.py": PINNED,
-    TESTS / "integration" / "test_epp_workers.py": PINNED,
-    TESTS / "integration" / "test_event_loop.py": TIMED,
-    TESTS / "integration" / "test_control_plane.py": TIMED,
-}
-# Fixtures that start real vLLM outside its tier (the wire format's cross-check): CI
-# installs vLLM beside the first tests, so these run last on their worker.
+# Integration files that bind the stack's default ports, time the event loop, or count
+# failed requests through a fault with timeouts set for an unloaded machine (the control
+# plane's outages: beside the benchmarks, a CI run saw 3 of their requests fail).
+SERIAL_FILES = frozenset(
+    TESTS / "integration" / name
+    for name in (
+        "test_up.py",
+        "test_epp_workers.py",
+        "test_event_loop.py",
+        "test_control_plane.py",
+    )
+)
+SERIAL = "serial"
+# Fixtures that start real vLLM outside its tier (the wire format's cross-check). CI
+# installs vLLM beside the first tests (tests/vllm_install.py), so these run last on
+# their worker, as the vLLM tier runs last in the serial group.
 VLLM_FIXTURES = frozenset({"vllm"})
 
 
@@ -89,29 +90,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker("envoy")
         if tier == "unit" and item.get_closest_marker("envoy") is None:
             item.add_marker("fast")
-        group = group_of(item.path.resolve(), tier)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+        if is_serial(item.path.resolve(), tier):
+            item.add_marker(pytest.mark.xdist_group(SERIAL))
     items[:] = sorted(items, key=run_rank)
 
 
-def group_of(path: Path, tier: str) -> str | None:
-    """The xdist group a test file runs in (see the docstring), or None."""
-    if path in GROUP_FILES:
-        return GROUP_FILES[path]
-    if path in IN_PROCESS:
-        return None
-    return GROUP_TIERS.get(tier)
+def is_serial(path: Path, tier: str) -> bool:
+    """Whether a test runs in the serial group (see the docstring)."""
+    return path in SERIAL_FILES or (tier in SERIAL_TIERS and path not in IN_PROCESS)
 
 
-def run_rank(item: pytest.Item) -> float:
-    """Where a test runs in its order: the grouped tiers in TIER_ORDER's order, a group's
-    integration files just before real vLLM; then the rest, and last the rest that needs
-    real vLLM (a stable sort keeps the order within each)."""
+def run_rank(item: pytest.Item) -> int:
+    """Where a test runs: the serial group's tiers in SERIAL_TIERS's order, then the
+    serial integration files, then the rest, and last the rest that needs real vLLM (a
+    stable sort keeps the order within each)."""
     if item.get_closest_marker("xdist_group") is None:
         needs_vllm = bool(VLLM_FIXTURES & set(getattr(item, "fixturenames", ())))
-        return len(TIER_ORDER) + 1 + needs_vllm
+        return len(SERIAL_TIERS) + 1 + needs_vllm
     tier = tier_of(item.path)
-    if tier in TIER_ORDER:
-        return TIER_ORDER.index(tier)
-    return TIER_ORDER.index("vllm") - 0.5
+    return SERIAL_TIERS.index(tier) if tier in SERIAL_TIERS else len(SERIAL_TIERS)
