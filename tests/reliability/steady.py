@@ -115,7 +115,7 @@ class SteadyTraffic:
         """For each document, the backends that served it against the router's choice."""
         found: dict[int, set[str]] = {}
         for s in self.sent:
-            if s.strayed and s.served_by is not None:
+            if s.strayed:
                 found.setdefault(s.doc, set()).add(s.served_by)
         return found
 

@@ -74,7 +74,9 @@ def test_sigkilled_backend_is_routed_around_and_rejoins(stack: LocalStack):
             assert without[doc] in fleet - {victim_address}
     # Only the dead host's prefixes moved.
     survivors = {doc: host for doc, host in before.items() if host != victim_address}
-    assert moved({doc: without[doc] for doc in survivors}, survivors, traffic) == {}
+    assert moved({doc: without[doc] for doc in survivors}, survivors, traffic) == {}, (
+        traffic.summary()
+    )
     # The restarted host's cache is empty: its old prefixes stay where they are cached
     # now, and it takes new ones.
     assert moved(rejoined, without, traffic) == {}, traffic.summary()
