@@ -9,12 +9,13 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 import httpx
 import structlog
 
+from extproc.control import metrics
 from extproc.control.model import HostHealth
 from extproc.control.rounds import sleep_unless_stopped
 from extproc.http_client import host_client
@@ -80,6 +81,29 @@ def next_health(previous: HostHealth, probe: ProbeResult, policy: HealthPolicy) 
     )
 
 
+def hold_when_every_host_fails(
+    previous: Mapping[str, HostHealth], current: dict[str, HostHealth]
+) -> tuple[dict[str, HostHealth], list[str]]:
+    """Fail static: a round that would leave no host healthy keeps the hosts that were.
+
+    Every host failing in the same round is more often the prober (its CPU starved, its
+    network cut) than the whole fleet, and publishing the set of none would have Envoy
+    answer every request 503 "no healthy upstream". Envoy's own panic threshold makes the
+    same call. A fleet that is really down fails its requests either way; the held hosts
+    keep counting failures, so once any probe passes again those still failing are
+    ejected by the next round. Returns the states to keep and the addresses held.
+    """
+    if any(state.healthy for state in current.values()):
+        return current, []
+    held = sorted(a for a in current if previous.get(a, HostHealth()).healthy)
+    if not held:
+        return current, []
+    kept = dict(current)
+    for address in held:
+        kept[address] = replace(current[address], healthy=True)
+    return kept, held
+
+
 def models_from_listing(listing: object) -> tuple[str, ...]:
     """Model ids from an OpenAI /v1/models body, sorted so that order never looks like change.
 
@@ -134,6 +158,8 @@ class HealthChecker:
         self._policy = policy
         self._client_factory = client_factory
         self._states: dict[str, HostHealth] = {}
+        # Hosts the last round kept healthy although every probe failed (fail static).
+        self._held: list[str] = []
         # Open only while run() is; check_once() alone uses a client per round.
         self._client: httpx.AsyncClient | None = None
 
@@ -192,10 +218,21 @@ class HealthChecker:
         )
         states: dict[str, HostHealth] = {}
         for address, result in zip(listed, results, strict=True):
-            before = self._states.get(address, HostHealth())
-            after = next_health(before, result, self._policy)
-            _log_transition(address, before, after)
-            states[address] = after
+            states[address] = next_health(
+                self._states.get(address, HostHealth()), result, self._policy
+            )
+        states, held = hold_when_every_host_fails(self._states, states)
+        if held:
+            metrics.CP_HEALTH_HOLDS.inc()
+        if held and held != self._held:  # once per episode, not once a round
+            log.warning(
+                "health.every_host_failed",
+                held=held,
+                reasons=sorted({s.last_error or "probe failed" for s in states.values()}),
+            )
+        self._held = held
+        for address, after in states.items():
+            _log_transition(address, self._states.get(address, HostHealth()), after)
         self._states = states
         return self.states
 

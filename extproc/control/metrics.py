@@ -26,6 +26,10 @@ CP_PROMPT_RATE = Gauge(
     ["host"],
 )
 CP_EJECTIONS = Counter("prefix_router_cp_ejections", "Hosts ejected by health checks")
+CP_HEALTH_HOLDS = Counter(
+    "prefix_router_cp_health_holds",
+    "Health rounds in which every host failed and the healthy ones were kept (fail static)",
+)
 CP_SCRAPE_FAILURES = Counter(
     "prefix_router_cp_scrape_failures", "Failed /metrics scrapes of vLLM hosts"
 )

@@ -8,11 +8,13 @@ import pytest
 from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client import REGISTRY
 
 from extproc.control.health import (
     HealthChecker,
     HealthPolicy,
     ProbeResult,
+    hold_when_every_host_fails,
     models_from_listing,
     next_health,
     probe,
@@ -25,6 +27,7 @@ from extproc.stack.processes import free_port, wait_until_async
 # Loopback addresses of their own keep these tests clear of other suites' ports.
 SIM_HOST = "127.0.0.31"
 DEAD_HOST = "127.0.0.32"
+OTHER_SIM_HOST = "127.0.0.33"
 MODEL = "llama-test"
 # Generous for loopback, yet well under a test's patience.
 FAST = HealthPolicy(interval_s=0.2, timeout_s=0.2)
@@ -300,21 +303,94 @@ async def test_a_model_listing_that_is_not_json_leaves_the_models_unknown() -> N
 
 async def test_simulator_is_admitted_after_two_rounds_and_ejected_after_it_stops() -> None:
     checker = HealthChecker(HealthPolicy(timeout_s=0.5, healthy_threshold=2))
-    async with simulator(SIM_HOST, free_port(SIM_HOST)) as address:
-        first = await checker.check_once([address])
-        assert not first[address].healthy
-        assert first[address].models == (MODEL,)
-        second = await checker.check_once([address])
-        assert second[address].healthy
-        assert second[address].models == (MODEL,)
-    # The simulator is gone: one failure is tolerated, the second ejects.
-    third = await checker.check_once([address])
-    assert third[address].healthy
-    assert third[address].consecutive_failures == 1
-    fourth = await checker.check_once([address])
-    assert not fourth[address].healthy
-    assert fourth[address].models == (MODEL,)
-    assert fourth[address].last_error
+    # Another host stays up: were the stopped one the last healthy host, it would be held.
+    async with simulator(OTHER_SIM_HOST, free_port(OTHER_SIM_HOST)) as other:
+        async with simulator(SIM_HOST, free_port(SIM_HOST)) as address:
+            first = await checker.check_once([address, other])
+            assert not first[address].healthy
+            assert first[address].models == (MODEL,)
+            second = await checker.check_once([address, other])
+            assert second[address].healthy
+            assert second[address].models == (MODEL,)
+        # The simulator is gone: one failure is tolerated, the second ejects.
+        third = await checker.check_once([address, other])
+        assert third[address].healthy
+        assert third[address].consecutive_failures == 1
+        fourth = await checker.check_once([address, other])
+        assert not fourth[address].healthy
+        assert fourth[address].models == (MODEL,)
+        assert fourth[address].last_error
+        assert fourth[other].healthy
+
+
+def healthy(*, failures: int = 0) -> HostHealth:
+    return HostHealth(healthy=True, consecutive_failures=failures, models=("m",))
+
+
+def ejected(*, failures: int = 2) -> HostHealth:
+    return HostHealth(
+        healthy=False, consecutive_failures=failures, models=("m",), last_error="refused"
+    )
+
+
+def test_a_round_with_a_healthy_host_left_is_kept_as_it_is() -> None:
+    previous = {"a": healthy(), "b": healthy()}
+    current = {"a": healthy(), "b": ejected()}
+    assert hold_when_every_host_fails(previous, current) == (current, [])
+
+
+def test_a_round_that_would_eject_every_host_keeps_those_that_were_healthy() -> None:
+    previous = {"a": healthy(failures=1), "b": healthy(failures=1), "c": ejected()}
+    current = {"a": ejected(), "b": ejected(), "c": ejected(failures=3), "new": HostHealth()}
+    kept, held = hold_when_every_host_fails(previous, current)
+    assert held == ["a", "b"]
+    # Held healthy, still counting failures, so the first round that finds the prober
+    # working again ejects them if they still fail.
+    assert kept["a"] == HostHealth(True, 2, 0, ("m",), "refused")
+    assert kept["b"].healthy
+    # Hosts that were not healthy, and new ones, are not let in.
+    assert kept["c"] == current["c"]
+    assert kept["new"] == HostHealth()
+
+
+def test_a_fleet_that_was_never_healthy_holds_nothing() -> None:
+    current = {"a": ejected(), "new": HostHealth()}
+    assert hold_when_every_host_fails({"a": ejected()}, current) == (current, [])
+    assert hold_when_every_host_fails({}, {}) == ({}, [])
+
+
+def test_a_host_no_longer_listed_is_not_held() -> None:
+    previous = {"gone": healthy(), "a": ejected()}
+    current = {"a": ejected(failures=3)}
+    assert hold_when_every_host_fails(previous, current) == (current, [])
+
+
+@given(
+    st.dictionaries(
+        st.sampled_from("abcd"),
+        st.tuples(st.booleans(), st.booleans()),
+        max_size=4,
+    )
+)
+def test_a_round_never_empties_a_fleet_that_had_a_listed_healthy_host(
+    hosts: dict[str, tuple[bool, bool]],
+) -> None:
+    # Each host: whether it was healthy, and whether its probe passed this round.
+    policy = HealthPolicy(unhealthy_threshold=1, healthy_threshold=1)
+    previous = {a: healthy() if was else ejected() for a, (was, _) in hosts.items()}
+    current = {
+        a: next_health(previous[a], OK if passed else FAIL, policy)
+        for a, (_, passed) in hosts.items()
+    }
+    kept, held = hold_when_every_host_fails(previous, current)
+    if any(s.healthy for s in previous.values()):
+        assert any(s.healthy for s in kept.values())
+    # Only a round with no healthy host holds, and only what was healthy.
+    assert held == [] or not any(s.healthy for s in current.values())
+    assert all(previous[a].healthy for a in held)
+    assert {a for a, s in kept.items() if s.healthy} == (
+        {a for a, s in current.items() if s.healthy} | set(held)
+    )
 
 
 async def test_a_port_with_nothing_listening_never_becomes_healthy() -> None:
@@ -344,11 +420,12 @@ async def test_run_reports_transitions_only_and_stops_promptly() -> None:
     rounds = 0
     stop = asyncio.Event()
     sim_address = f"{SIM_HOST}:{free_port(SIM_HOST)}"
+    other_address = f"{OTHER_SIM_HOST}:{free_port(OTHER_SIM_HOST)}"
 
     def addresses() -> list[str]:
         nonlocal rounds
         rounds += 1
-        return [sim_address, dead]
+        return [sim_address, other_address, dead]
 
     async def wait_for_rounds(count: int) -> None:
         target = rounds + count
@@ -359,16 +436,17 @@ async def test_run_reports_transitions_only_and_stops_promptly() -> None:
     def healthy_sets() -> list[set[str]]:
         return [{a for a, s in states.items() if s.healthy} for states in changes]
 
-    async with simulator(SIM_HOST, int(sim_address.rpartition(":")[2])):
-        runner = asyncio.create_task(checker.run(addresses, changes.append, stop))
-        # Round 2 reports the admission (round 1 could admit no host, so it reports
-        # nothing); the rest are quiet.
-        await wait_for_rounds(5)
-        assert healthy_sets() == [{sim_address}]
-        assert changes[-1][sim_address].models == (MODEL,)
-    # Ejection after unhealthy_threshold=2 failed rounds is reported once.
-    await wait_for_rounds(4)
-    assert healthy_sets() == [{sim_address}, set()]
+    async with simulator(OTHER_SIM_HOST, int(other_address.rpartition(":")[2])):
+        async with simulator(SIM_HOST, int(sim_address.rpartition(":")[2])):
+            runner = asyncio.create_task(checker.run(addresses, changes.append, stop))
+            # Round 2 reports the admission (round 1 could admit no host, so it reports
+            # nothing); the rest are quiet.
+            await wait_for_rounds(5)
+            assert healthy_sets() == [{sim_address, other_address}]
+            assert changes[-1][sim_address].models == (MODEL,)
+        # Ejection after unhealthy_threshold=2 failed rounds is reported once.
+        await wait_for_rounds(4)
+        assert healthy_sets() == [{sim_address, other_address}, {other_address}]
 
     stop.set()
     started = time.monotonic()
@@ -376,6 +454,32 @@ async def test_run_reports_transitions_only_and_stops_promptly() -> None:
         await runner
     assert time.monotonic() - started < FAST.timeout_s + 0.5
     assert len(changes) == 2
+
+
+def held_rounds() -> float:
+    return REGISTRY.get_sample_value("prefix_router_cp_health_holds_total") or 0.0
+
+
+async def test_every_host_failing_at_once_is_held_until_a_probe_passes_again() -> None:
+    """Fail static: the prober losing every host at once keeps them published; once it
+    reaches one again, those still failing go."""
+    checker = HealthChecker(HealthPolicy(interval_s=0.2, timeout_s=0.2, healthy_threshold=1))
+    holds = held_rounds()
+    sim_port, other_port = free_port(SIM_HOST), free_port(OTHER_SIM_HOST)
+    sim_address, other_address = f"{SIM_HOST}:{sim_port}", f"{OTHER_SIM_HOST}:{other_port}"
+    both = [sim_address, other_address]
+    async with simulator(SIM_HOST, sim_port), simulator(OTHER_SIM_HOST, other_port):
+        admitted = await checker.check_once(both)
+        assert all(state.healthy for state in admitted.values())
+    for failures in (1, 2, 3):  # past unhealthy_threshold (2): held, failures counted
+        states = await checker.check_once(both)
+        assert all(s.healthy and s.consecutive_failures == failures for s in states.values())
+    assert held_rounds() == holds + 2  # failures 2 and 3 were held
+    async with simulator(SIM_HOST, sim_port):
+        states = await checker.check_once(both)
+    assert states[sim_address].healthy
+    assert states[sim_address].consecutive_failures == 0
+    assert not states[other_address].healthy
 
 
 async def test_run_publishes_nothing_before_a_host_could_be_admitted() -> None:

@@ -7,7 +7,13 @@ from typing import Any
 
 import httpx
 
-from extproc.stack.local import FAST_CONTROL_PLANE, INSTANT_PREFILL, LocalStack, StackSpec
+from extproc.stack.local import (
+    FAST_CONTROL_PLANE,
+    INSTANT_PREFILL,
+    LocalStack,
+    StackSpec,
+    envoy_counters,
+)
 from extproc.stack.processes import wait_until
 
 from ..prompts import document
@@ -65,9 +71,38 @@ def _asked(stack: LocalStack, docs: Iterable[int]) -> list[tuple[int, httpx.Resp
     with httpx.Client(base_url=stack.url, timeout=10) as client:
         for doc in docs:
             response = client.post(CHAT, json=chat(document(doc)))
-            assert response.status_code == 200, (doc, response.status_code, response.text[:200])
+            if response.status_code != 200:
+                raise AssertionError(
+                    (doc, response.status_code, response.text[:200], fleet_state(stack))
+                )
             answers.append((doc, response))
     return answers
+
+
+# What the control plane logs about the published set.
+_FLEET_EVENTS = ("fleet_published", "host.ejected", "host.admitted", "health.every_host_failed")
+
+
+def fleet_state(stack: LocalStack) -> dict[str, Any]:
+    """Envoy's and the control plane's view of the fleet, for a failure's message: what
+    Envoy has in its backend cluster, and the control plane's last events about it."""
+    state: dict[str, Any] = {}
+    try:
+        state["envoy_hosts"] = sorted(stack.envoy_hosts())
+        counters = envoy_counters(stack.admin_url, "cluster.vllm.")
+        state["envoy_cluster"] = {
+            name: counters.get(name)
+            for name in ("membership_total", "membership_healthy", "update_empty",
+                         "upstream_cx_none_healthy", "upstream_rq_retry")
+        }  # fmt: skip
+    except httpx.HTTPError as error:
+        state["envoy"] = repr(error)
+    log = stack.work_dir / "control-plane.log"
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    state["control_plane"] = [
+        line[:300] for line in lines if any(e in line for e in _FLEET_EVENTS)
+    ][-8:]
+    return state
 
 
 def wait_for_fleet(stack: LocalStack, expected: set[str], timeout: float = 15) -> None:

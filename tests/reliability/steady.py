@@ -177,7 +177,12 @@ class SteadyTraffic:
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             if tasks:
-                await asyncio.wait(tasks, timeout=self._timeout_s + 5)
+                _, late = await asyncio.wait(tasks, timeout=self._timeout_s + 5)
+                # Those still queued at the gate are dropped before the client closes
+                # under them (each would raise, and nobody would read it).
+                for task in late:
+                    task.cancel()
+                await asyncio.gather(*late, return_exceptions=True)
 
     @contextmanager
     def running(self) -> Iterator[SteadyTraffic]:
