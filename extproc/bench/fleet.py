@@ -45,9 +45,11 @@ from extproc.bench.fleet_closed_loop import run_closed
 from extproc.bench.fleet_lifecycle import Fleet, reset_caches
 from extproc.bench.fleet_options import (
     HOT_SPOT_SIM_ARGS,
+    QUICK_RATE_TIME_CONSTANT_S,
     FleetBenchOptions,
     default_paths,
     default_sim_args,
+    effective_rate_time_constant_s,
     simulator_args,
     stack_router_settings,
 )
@@ -85,6 +87,7 @@ __all__ = [
     "OUR_PATHS",
     "OUR_STRATEGIES",
     "PEERS",
+    "QUICK_RATE_TIME_CONSTANT_S",
     "REPLICAS",
     "RING_HASH",
     "SESSION_HEADER",
@@ -227,6 +230,7 @@ def document(options: FleetBenchOptions, results: list[PathResult], count: int) 
         "requests": count,
         "simulator": {"args": simulator_args(options)},
         "router": router_settings(options),
+        "control_plane": {"rate_time_constant_s": effective_rate_time_constant_s(options)},
         "our_paths": our_paths_document(options.paths),
         "session_header": SESSION_HEADER,
         "overhead_probes": options.overhead_probes,

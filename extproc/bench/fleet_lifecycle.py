@@ -11,7 +11,12 @@ from pathlib import Path
 import httpx
 
 from extproc.bench import probes
-from extproc.bench.fleet_options import FleetBenchOptions, simulator_args, stack_router_settings
+from extproc.bench.fleet_options import (
+    FleetBenchOptions,
+    control_plane_settings,
+    simulator_args,
+    stack_router_settings,
+)
 from extproc.bench.fleet_paths import ENVOY_CHANGES, REPLICAS, SESSION_HEADER
 from extproc.control.loadfeed import parse_vllm_metrics
 from extproc.sim.options import SimOptions
@@ -68,6 +73,7 @@ class Fleet:
             router_settings=stack_router_settings(self.options),
             upstream_host_header=False,
             router_replicas=max([1, *(REPLICAS.get(p, 1) for p in self.options.paths)]),
+            control_plane_settings=control_plane_settings(self.options),
             work_dir=self.work / "stack",
         )
         self.stack = LocalStack(spec).start()

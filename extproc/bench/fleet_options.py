@@ -17,9 +17,14 @@ from extproc.bench.fleet_paths import (
     TWO_REPLICAS,
 )
 from extproc.bench.workloads import WorkloadSpec
+from extproc.control.config import LoadFeedSettings
 
 # Each simulated instance's KV cache, in blocks of 16 tokens.
 CAPACITY_BLOCKS = 4000
+# The pressure time constant of smoke runs (``--quick``, the tests): a fifth of the
+# control plane's default, so a path waits seconds, not most of a minute, for the path
+# before it to die away.
+QUICK_RATE_TIME_CONSTANT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,10 @@ class FleetBenchOptions:
     closed_loop_paths: tuple[str, ...] = ("RANDOM", "PREFIX_AWARE", RING_HASH)
     # The report's file name (without .md); None: the workload's name.
     report_name: str | None = None
+    # The control plane's load_feed.rate_time_constant_s; None: its default. Each router
+    # path waits for the last path's (or the overhead probes') cache pressure to die away,
+    # 35-45 s at the default's 10 s after a smoke-size path: smoke runs shorten it.
+    rate_time_constant_s: float | None = None
 
     @property
     def name(self) -> str:
@@ -96,3 +105,18 @@ def stack_router_settings(options: FleetBenchOptions) -> dict[str, Any]:
         "concurrency_threshold": options.concurrency_threshold,
         "prefix_length": options.prefix_length,
     }
+
+
+def control_plane_settings(options: FleetBenchOptions) -> dict[str, Any]:
+    """The control plane's settings over its defaults: none but a shorter pressure time
+    constant where the run asks for one."""
+    if options.rate_time_constant_s is None:
+        return {}
+    return {"load_feed": {"rate_time_constant_s": options.rate_time_constant_s}}
+
+
+def effective_rate_time_constant_s(options: FleetBenchOptions) -> float:
+    """The pressure time constant the run's control plane smooths with."""
+    if options.rate_time_constant_s is not None:
+        return options.rate_time_constant_s
+    return float(LoadFeedSettings().rate_time_constant_s)

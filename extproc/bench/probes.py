@@ -5,9 +5,11 @@ extproc/stack/prometheus.py (its helpers re-exported here)."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Sequence
 
 import httpx
+import structlog
 
 from extproc.stack.local import LocalStack
 from extproc.stack.processes import wait_until
@@ -16,6 +18,8 @@ from extproc.stack.prometheus import by_host as by_host
 from extproc.stack.prometheus import scrape as scrape
 from extproc.stack.prometheus import series as series
 from extproc.stack.prometheus import total as total
+
+log = structlog.get_logger("bench")
 
 
 def rss_bytes(pid: int) -> int:
@@ -105,9 +109,12 @@ def wait_for_idle_pressure(stack: LocalStack, timeout_s: float = 120.0) -> None:
         except OSError:  # the control plane did not answer this time
             return False
 
+    started = time.monotonic()
     wait_until(
         idle, timeout_s, "the cache pressure of earlier traffic to die away", stack.control_plane
     )
+    # Each benchmark path may wait here: the log says how much of a run it is.
+    log.info("bench.idle_pressure_wait", seconds=round(time.monotonic() - started, 1))
 
 
 def cpu_seconds(pid: int) -> float:

@@ -291,3 +291,16 @@ def test_readme_names_every_workload():
     listed = readme[readme.index("with WORKLOAD one of") :].split(", runs", 1)[0]
     names = set(re.findall(r"[a-z][a-z-]*[a-z]", listed.replace("\n", " ")))
     assert set(WORKLOADS) <= names, set(WORKLOADS) - names
+
+
+def test_a_quick_fleet_run_smooths_cache_pressure_over_a_short_time(monkeypatch, tmp_path):
+    from extproc.bench import fleet
+
+    seen = []
+    monkeypatch.setattr(fleet, "run", lambda options: seen.append(options) or [])
+    command = ["bench", "long-context", "--paths", "RANDOM", "--out", str(tmp_path)]
+    assert main([*command, "--quick"]) == 0
+    assert main(command) == 0
+    quick, full = seen
+    assert quick.rate_time_constant_s == fleet.QUICK_RATE_TIME_CONSTANT_S
+    assert full.rate_time_constant_s is None  # the control plane's own default

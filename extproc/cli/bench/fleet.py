@@ -87,6 +87,7 @@ def run_fleet(args: argparse.Namespace) -> int:
             closed_loop_concurrency=args.closed_loop,
             closed_loop_requests=24 if args.quick else 300,
             report_name=args.report_name,
+            rate_time_constant_s=fleet.QUICK_RATE_TIME_CONSTANT_S if args.quick else None,
         )
     )
     for result in results:
