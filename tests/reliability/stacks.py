@@ -97,8 +97,8 @@ def fleet_state(stack: LocalStack) -> dict[str, Any]:
         }  # fmt: skip
     except httpx.HTTPError as error:
         state["envoy"] = repr(error)
-    log = stack.work_dir / "control-plane.log"
-    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    log = stack.control_plane.log_path if stack.control_plane is not None else None
+    lines = log.read_text(errors="replace").splitlines() if log and log.exists() else []
     state["control_plane"] = [
         line[:300] for line in lines if any(e in line for e in _FLEET_EVENTS)
     ][-8:]
