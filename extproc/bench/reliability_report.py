@@ -150,6 +150,11 @@ def _soak_section(soak: dict[str, Any]) -> str:
          "`prefix_router_index_blocks`",
          f"{state.get('index_capacity_blocks', 0):g} (`prefix_router_index_capacity_blocks`)",
          f"{state.get('index_blocks', 0):g} ({state.get('index_evicted_blocks', 0):g} evicted)"],
+        *([["router: views of the engines' caches from their KV events (router blocks)",
+            "sum of `prefix_router_kv_events_blocks`",
+            f"each engine's cache; hosts with a view: {state['kv_events_hosts_precise']:g}",
+            f"{state['kv_events_blocks']:g} ({state['kv_events_events']:,.0f} events read)"]]
+          if "kv_events_blocks" in state else []),
         ["router: prefix popularity counters (two windows of at most max_keys blocks each)",
          "`prefix_router_popularity_keys`", f"{2 * POPULARITY_MAX_KEYS:,} (2 x max_keys)",
          f"{state['popularity_keys']:g}" if "popularity_keys" in state else "not measured"],
@@ -196,6 +201,13 @@ on that path (a batch's `grpc_op` array, when a batch fails on a cancelled call)
 does not tell whether it is the same one. The router's own state after the run is in the
 table below, against its bounds: {state_verdict}.
 """
+    events = ""
+    if state.get("kv_events_hosts_precise"):
+        events = (
+            " The simulators publish their KV-cache events, as vLLM does, and the router"
+            " follows every one: each new prefix is a stored block, and each eviction a"
+            " removed one."
+        )
     return f"""## Soak: {soak["requests"]:,} requests, every one a new prefix ({verdict})
 
 wrk (one thread, {options["connections"]} connections, closed loop) sent
@@ -205,7 +217,7 @@ simulated backends in {soak["load_s"]:.0f} s ({soak["requests"] / soak["load_s"]
 on average), in segments of about {options["segment_s"]:g} s after a
 {options["warmup_s"]:g} s warm-up. Every request's prompt starts with a number used
 once in the run, and the tenant salt cycles through {options["tenants"]} values, so
-any state kept per prefix or per tenant would grow with the request count.
+any state kept per prefix or per tenant would grow with the request count.{events}
 Errors: {soak["errors"]}. Router decisions: {soak["decisions"]:,.0f} (wrk counts only
 completed responses; requests cut off at each segment's end are decided but not counted).
 

@@ -127,8 +127,9 @@ class _RssSampler(threading.Thread):
 def state_sizes(stack: LocalStack, control_plane_metrics: str) -> dict[str, float]:
     """Every piece of state the router and control plane keep, as their metrics show it.
 
-    The router's per-prefix state is its prefix index and popularity windows, each bounded
-    by configuration (the index by each engine's cache size, within ``index_max_blocks``).
+    The router's per-prefix state is its prefix index, its views of the engines' caches
+    from their KV events and its popularity windows, each bounded by configuration (the
+    index and the views by each engine's cache size, within ``index_max_blocks``).
     The rest is per host (the in-flight map, the host set, the load feed) or per open
     stream; the control plane's is per host and per xDS stream.
     """
@@ -149,6 +150,16 @@ def state_sizes(stack: LocalStack, control_plane_metrics: str) -> dict[str, floa
         "index_capacity_blocks": probes.total(router, "prefix_router_index_capacity_blocks"),
         "index_evicted_blocks": probes.total(router, "prefix_router_index_evicted_blocks_total"),
         "popularity_keys": probes.total(router, "prefix_router_popularity_keys"),
+        # The engines' KV events (the simulators publish them): hosts whose view they give,
+        # the events read, and the router blocks the views hold (each bounded by its
+        # engine's cache, as the index is).
+        "kv_events_hosts_precise": router.get(
+            ("prefix_router_kv_events_hosts", (("state", "precise"),)), 0.0
+        ),
+        "kv_events_events": router.get(
+            ("prefix_router_kv_events_total", (("kind", "events"),)), 0.0
+        ),
+        "kv_events_blocks": probes.total(router, "prefix_router_kv_events_blocks"),
         "decisions": probes.total(router, "prefix_router_decisions_total"),
         "fallbacks": probes.total(router, "prefix_router_fallbacks_total"),
         "protocol_errors": probes.total(router, "prefix_router_protocol_errors_total"),

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -305,6 +304,32 @@ def worker_counts(port: int) -> tuple[float, float]:
     )
 
 
+def exchange_connected(workers: tuple[str, str], metrics: tuple[int, int]) -> None:
+    """Until each worker has applied one of the other's decisions: a ZMQ publisher drops
+    what it sends before its sibling's subscription has joined (that retries with a
+    backoff), so a fixed pause is not enough on a busy machine. Warm-up documents of their
+    own, one to each worker per try."""
+    tries = iter(range(1_000))
+
+    def applied_both_ways() -> bool:
+        n = next(tries)
+        for worker in workers:
+            routed_to(worker, new_document(10_000 + n))
+        return all(worker_counts(port)[1] > 0 for port in metrics)
+
+    wait_until(applied_both_ways, 30, "each worker to apply one of the other's decisions")
+    # The last try's decisions may still be on their way (batched every 2 ms): the counts
+    # the test starts from are those that stopped changing.
+    last: list[object] = [None]
+
+    def settled() -> bool:
+        counts = [worker_counts(port) for port in metrics]
+        unchanged, last[0] = counts == last[0], counts
+        return unchanged
+
+    wait_until(settled, 10, "the warm-up decisions to arrive", interval_s=0.2)
+
+
 def new_document(n: int) -> bytes:
     text = f"document {n} " + "the body of this document goes on " * 60
     return json.dumps({"model": "m", "messages": [{"role": "user", "content": text}]}).encode()
@@ -321,21 +346,25 @@ def test_two_workers_send_one_new_prompts_requests_to_one_host(tmp_path, share):
     workers = (f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}")
     try:
         wait_until(lambda: metrics_up(base + 2) and metrics_up(base + 3), 30, "both workers")
-        time.sleep(0.2)  # each worker's subscription joins the other's endpoint
+        if share:
+            exchange_connected(workers, (base + 2, base + 3))
+        before = [worker_counts(port) for port in (base + 2, base + 3)]
         for n in range(8):
             placed = set()
             for turn in range(4):  # worker 0, worker 1, worker 0, worker 1
                 placed.add(routed_to(workers[turn % 2], new_document(n)))
                 if share:  # the other worker applies this decision before it routes
-                    other, sent = base + 2 + (turn + 1) % 2, 2 * n + turn // 2 + 1
+                    other = (turn + 1) % 2
+                    sent = before[other][1] + 2 * n + turn // 2 + 1
                     wait_until(
-                        lambda o=other, s=sent: worker_counts(o)[1] >= s,
+                        lambda o=base + 2 + other, s=sent: worker_counts(o)[1] >= s,
                         5,
                         f"the decision of request {4 * n + turn} applied",
                     )
             if share:
                 assert len(placed) == 1, (n, placed)
-        counts = [worker_counts(port) for port in (base + 2, base + 3)]
+        after = [worker_counts(port) for port in (base + 2, base + 3)]
+        counts = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before, strict=True)]
     finally:
         supervisor.send_signal(signal.SIGTERM)
         assert supervisor.wait(timeout=60) == 0
