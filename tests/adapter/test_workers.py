@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -309,7 +310,7 @@ def exchange_connected(workers: tuple[str, str], metrics: tuple[int, int]) -> No
     what it sends before its sibling's subscription has joined (that retries with a
     backoff), so a fixed pause is not enough on a busy machine. Warm-up documents of their
     own, one to each worker per try."""
-    tries = iter(range(1_000))
+    tries = itertools.count()
 
     def applied_both_ways() -> bool:
         n = next(tries)
@@ -344,11 +345,12 @@ def test_two_workers_send_one_new_prompts_requests_to_one_host(tmp_path, share):
         env["PREFIX_ROUTER_WORKERS_SHARE_DECISIONS"] = "false"
     supervisor = start_supervisor(tmp_path, 2, base, env=env)
     workers = (f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}")
+    metrics = (base + 2, base + 3)
     try:
-        wait_until(lambda: metrics_up(base + 2) and metrics_up(base + 3), 30, "both workers")
+        wait_until(lambda: all(metrics_up(port) for port in metrics), 30, "both workers")
         if share:
-            exchange_connected(workers, (base + 2, base + 3))
-        before = [worker_counts(port) for port in (base + 2, base + 3)]
+            exchange_connected(workers, metrics)
+        before = [worker_counts(port) for port in metrics]
         for n in range(8):
             placed = set()
             for turn in range(4):  # worker 0, worker 1, worker 0, worker 1
@@ -357,13 +359,13 @@ def test_two_workers_send_one_new_prompts_requests_to_one_host(tmp_path, share):
                     other = (turn + 1) % 2
                     sent = before[other][1] + 2 * n + turn // 2 + 1
                     wait_until(
-                        lambda o=base + 2 + other, s=sent: worker_counts(o)[1] >= s,
+                        lambda o=metrics[other], s=sent: worker_counts(o)[1] >= s,
                         5,
                         f"the decision of request {4 * n + turn} applied",
                     )
             if share:
                 assert len(placed) == 1, (n, placed)
-        after = [worker_counts(port) for port in (base + 2, base + 3)]
+        after = [worker_counts(port) for port in metrics]
         counts = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before, strict=True)]
     finally:
         supervisor.send_signal(signal.SIGTERM)
