@@ -11,8 +11,9 @@ reliability/ (stacks of real processes behind Envoy), every test that uses a fix
 that starts a stack with Envoy (the real-vLLM stack), and tests marked by hand elsewhere
 (a benchmark's smoke run, a manifest validated by ``envoy --mode validate``).
 
-``fast`` is the default tier: ``unit`` tests that do not run Envoy (``pytest -m fast``).
-CI runs every tier.
+``fast`` is the tier to run while working: ``unit`` tests that do not run Envoy
+(``pytest -m fast``, about two minutes). A bare ``pytest``, README's test command and CI
+run every tier.
 
 README's test command runs two pytest-xdist workers (``-n 2 --dist loadgroup``). The
 tests whose bounds are about speed and load (the benchmarks, the reliability tier, real

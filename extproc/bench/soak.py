@@ -40,9 +40,11 @@ class SoakOptions:
     body_bytes: int = 1024
     tenants: int = 1000
     backends: int = 3
-    # The whole load phase stops here even if the count was not reached (a million requests
-    # take about 35 minutes on this 2-core machine).
-    budget_s: float = 3000.0
+    # The whole load phase stops here even if the count was not reached. A million requests
+    # took 13 minutes on this 2-core machine before the simulators published KV events
+    # (2026-12-02); with them, 30,000-request runs went 300-380 req/s (2026-12-07): about
+    # 55 minutes.
+    budget_s: float = 4500.0
     # When the router grows past the bound: streams per ending for ``stream_leak``.
     leak_probe_streams: int = 20_000
     sample_interval_s: float = 1.0

@@ -58,10 +58,8 @@ class BootstrapParams:
     # The control plane's xDS address: the backend cluster then comes from EDS over ADS.
     # None gives a STATIC cluster of ``backends`` instead.
     control_plane: tuple[str, int] | None = (ports.LOOPBACK, ports.CONTROL_PLANE_XDS)
-    backends: tuple[tuple[str, int], ...] = (
-        ("127.0.0.11", 8000),
-        ("127.0.0.12", 8000),
-        ("127.0.0.13", 8000),
+    backends: tuple[tuple[str, int], ...] = tuple(
+        (ports.sim_host(i), ports.SIM_PORT) for i in range(3)
     )
     # BUFFERED_PARTIAL sends the body to the router once this many bytes have arrived, or
     # at end of stream. Envoy 1.40 intermittently loses the end of a request whose body

@@ -121,6 +121,9 @@ def test_requests_sharing_only_a_system_prompt_are_not_pulled_to_one_host():
         body = chat([{"role": "system", "content": SYSTEM},
                      {"role": "user", "content": f"one-off question {n}"}])  # fmt: skip
         hosts[route(r, body)] += 1
+    # Spread by their own blocks: each host's count is binomial, mean 66.7, sd 6.7 over
+    # 200 requests; half the mean (33) is 5 sd below. Pulled to the system prompt's home,
+    # the others would get none.
     assert len(hosts) == len(HOSTS) and min(hosts.values()) > 200 / len(HOSTS) / 2
 
 

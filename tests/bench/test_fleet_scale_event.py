@@ -57,8 +57,10 @@ def test_rendezvous_moves_about_the_new_hosts_share_of_keys():
     hosts = [f"127.0.0.{31 + i}:8000" for i in range(8)]
     grow = placement_moved(requests, hosts[:7], hosts, 8192)
     shrink = placement_moved(requests, hosts, hosts[1:7], 8192)
-    assert 0.06 < grow < 0.2  # ideally 1/8
-    assert 0.15 < shrink < 0.35  # ideally 2/8
+    # Ideally 1/8 and 2/8 of the 200 documents; binomial sd sqrt(p(1-p)/200) = 0.023 and
+    # 0.031, so each bound is about 3 sd from the ideal (one seeded workload: one outcome).
+    assert 0.06 < grow < 0.2
+    assert 0.15 < shrink < 0.35
 
 
 def random_hit_rate_bound(requests: list[BenchRequest], hosts: int) -> float:
