@@ -56,6 +56,11 @@ def sim_host(index: int) -> str:
     return f"127.0.0.{SIM_FIRST_HOST + index}"
 
 
+# The fleet a generated bootstrap or gateway names when given none: ``up``'s three
+# simulated backends on their default port.
+DEFAULT_FLEET: tuple[tuple[str, int], ...] = tuple((sim_host(i), SIM_PORT) for i in range(3))
+
+
 @dataclass(frozen=True, slots=True)
 class DefaultPort:
     """A default port and the process that listens on it."""

@@ -21,6 +21,7 @@ from typing import Any
 import structlog
 
 from extproc.bench import lua, probes, wrk
+from extproc.stack import prometheus
 from extproc.stack.local import LocalStack, StackSpec
 from extproc.stack.processes import ManagedProcess
 
@@ -155,12 +156,12 @@ def state_sizes(stack: LocalStack, control_plane_metrics: str) -> dict[str, floa
         # The engines' KV events (the simulators publish them): hosts whose view they give,
         # the events read, and the router blocks the views hold (each bounded by its
         # engine's cache, as the index is).
-        "kv_events_hosts_precise": router.get(
-            ("prefix_router_kv_events_hosts", (("state", "precise"),)), 0.0
-        ),
-        "kv_events_events": router.get(
-            ("prefix_router_kv_events_total", (("kind", "events"),)), 0.0
-        ),
+        "kv_events_hosts_precise": prometheus.by_label(
+            router, "prefix_router_kv_events_hosts", "state"
+        ).get("precise", 0.0),
+        "kv_events_events": prometheus.by_label(
+            router, "prefix_router_kv_events_total", "kind"
+        ).get("events", 0.0),
         "kv_events_blocks": probes.total(router, "prefix_router_kv_events_blocks"),
         "decisions": probes.total(router, "prefix_router_decisions_total"),
         "fallbacks": probes.total(router, "prefix_router_fallbacks_total"),

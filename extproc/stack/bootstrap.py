@@ -58,9 +58,7 @@ class BootstrapParams:
     # The control plane's xDS address: the backend cluster then comes from EDS over ADS.
     # None gives a STATIC cluster of ``backends`` instead.
     control_plane: tuple[str, int] | None = (ports.LOOPBACK, ports.CONTROL_PLANE_XDS)
-    backends: tuple[tuple[str, int], ...] = tuple(
-        (ports.sim_host(i), ports.SIM_PORT) for i in range(3)
-    )
+    backends: tuple[tuple[str, int], ...] = ports.DEFAULT_FLEET
     # BUFFERED_PARTIAL sends the body to the router once this many bytes have arrived, or
     # at end of stream. Envoy 1.40 intermittently loses the end of a request whose body
     # overflows this limit (the upstream then waits for the rest forever), in either body

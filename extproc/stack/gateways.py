@@ -57,7 +57,7 @@ class GatewayParams:
     picker_tls: bool = True
     # The InferencePool's failureMode: FailOpen lets requests through without the picker.
     fail_open: bool = True
-    pool: tuple[tuple[str, int], ...] = tuple((ports.sim_host(i), ports.SIM_PORT) for i in range(3))
+    pool: tuple[tuple[str, int], ...] = ports.DEFAULT_FLEET
     # kgateway's subset hint: None sends every pool endpoint.
     subset_hint: tuple[str, ...] | None = None
     # Name the endpoint that served each response in x-upstream-host (tests, demos).
