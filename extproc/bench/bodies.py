@@ -172,13 +172,15 @@ def _counts(results: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def cell_holds(cell: dict[str, Any], max_body: int, options: dict[str, Any]) -> bool:
-    """Every body up to max_body delivered; every larger one refused, promptly. In
-    override-host mode a larger one may also arrive whole: Envoy hands the router a
-    BUFFERED_PARTIAL body in one message, and when the answer to tens of MiB comes after
-    message_timeout (a busy machine), override-host fails open, as it promises."""
+    """Every body up to max_body delivered; every larger one refused, promptly. Envoy
+    hands the router a BUFFERED_PARTIAL body in one message, and when the answer to tens
+    of MiB comes after message_timeout (a busy machine), Envoy goes on as the mode
+    promises: override-host fails open (the body may arrive whole), original-dst fails
+    closed (Envoy's 504, promptly)."""
     if cell["size"] <= max_body:
         return all(r["outcome"] == "delivered" for r in cell["results"])
     fails_open = cell.get("mode") == "override-host"
+    fails_closed = cell.get("mode") == "original-dst"
     # A refusal comes once the client has sent enough to earn it: the slow drip's pauses
     # are upload time.
     drip_s = (
@@ -188,6 +190,9 @@ def cell_holds(cell: dict[str, Any], max_body: int, options: dict[str, Any]) -> 
     return all(
         (r["outcome"] == "refused" and r.get("router") and r["s"] <= bound)
         or (fails_open and r["outcome"] == "delivered")
+        or (
+            fails_closed and r["outcome"] == "failed" and r.get("status") == 504 and r["s"] <= bound
+        )
         for r in cell["results"]
     )
 
@@ -268,9 +273,10 @@ content-length (`fixed`), chunked in 64 KiB pieces (`chunked`), and chunked in
 each (`slow-drip`). A body is a chat completion padded with a base64 image (0 B: empty).
 Every body up to `max_body_bytes` must arrive byte for byte (`delivered`, whatever the
 upstream answered); every larger one must be refused with 413 within {bound:g} s of its
-last byte (`refused`), or, in override-host mode only, arrive whole: there Envoy fails
-open when the router's answer to a body that large comes after `message_timeout` (on a
-busy machine), as override-host promises. `hung`: no answer in {options["timeout_s"]:g} s.
+last byte (`refused`). When the router's answer to a body that large comes after
+`message_timeout` (on a busy machine), Envoy goes on as the mode promises: in
+override-host mode it fails open (the body may arrive whole), in original-dst mode it
+fails closed (Envoy's 504, within the same time). `hung`: no answer in {options["timeout_s"]:g} s.
 Times are from the start of the upload to the answer.
 
 {verdict}

@@ -49,6 +49,15 @@ def test_a_cell_holds_only_if_small_bodies_arrive_and_large_ones_get_the_routers
     over = cell(MAX_BODY + 1, delivered)
     assert cell_holds(over | {"mode": "override-host"}, MAX_BODY, OPTIONS)
     assert not cell_holds(over | {"mode": "original-dst"}, MAX_BODY, OPTIONS)
+    # Original-dst fails closed instead: Envoy's 504 at its message_timeout, promptly,
+    # and there only; any other failure, or a late one, does not hold.
+    closed = cell(MAX_BODY + 1, {"outcome": "failed", "status": 504, "s": 0.65})
+    assert cell_holds(closed | {"mode": "original-dst"}, MAX_BODY, OPTIONS)
+    assert not cell_holds(closed | {"mode": "override-host"}, MAX_BODY, OPTIONS)
+    reset = cell(MAX_BODY + 1, {"outcome": "failed", "error": "RemoteProtocolError", "s": 0})
+    assert not cell_holds(reset | {"mode": "original-dst"}, MAX_BODY, OPTIONS)
+    late = cell(MAX_BODY + 1, {"outcome": "failed", "status": 504, "s": 2.2})
+    assert not cell_holds(late | {"mode": "original-dst"}, MAX_BODY, OPTIONS)
     hung = cell(MAX_BODY + 1, {"outcome": "hung", "s": 30})
     assert not cell_holds(hung | {"mode": "override-host"}, MAX_BODY, OPTIONS)
     assert not cell_holds(cell(MAX_BODY + 1, {**routers_413, "router": False}), MAX_BODY, OPTIONS)

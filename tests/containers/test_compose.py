@@ -17,6 +17,7 @@ import yaml
 from extproc import metrics as shared_metrics
 from extproc.adapter import metrics as router_metrics
 from extproc.control import metrics as control_plane_metrics
+from extproc.stack import prometheus
 from extproc.stack.bootstrap import BootstrapParams, render
 from extproc.stack.local import envoy_binary
 
@@ -173,12 +174,24 @@ def test_cpu_profile_comes_up_and_routes_by_prefix(docker, images):
             # The router places over the fleet and has made at least one decision.
             return "prefix_router_hosts 3.0" in text and "prefix_router_decisions_total{" in text
 
+        def shed() -> float:
+            samples = prometheus.scrape("http://127.0.0.1:9190/metrics")
+            return prometheus.total(samples, "prefix_router_shed_total")
+
+        def home(doc: int) -> str:
+            """The one host of ``doc``'s asks. Asks the router shed (its loop ran late:
+            on a 2-core CI machine the OS alone can delay it) are placed by load on
+            purpose, so a round with a shed is asked again, at most three times."""
+            for _ in range(3):
+                before = shed()
+                seen = {ask(doc) for _ in range(4)}
+                if shed() == before:
+                    assert len(seen) == 1, f"document {doc} went to {seen}"
+                    return seen.pop()
+            pytest.fail(f"the router shed in each of 3 rounds of document {doc}")
+
         wait_for(routed, "the CPU profile to route", timeout=90)
-        homes = {}
-        for doc in range(10):
-            seen = {ask(doc) for _ in range(4)}
-            assert len(seen) == 1, f"document {doc} went to {seen}"
-            homes[doc] = seen.pop()
+        homes = {doc: home(doc) for doc in range(10)}
         assert set(homes.values()) <= fleet
         assert len(set(homes.values())) >= 2
         # No project network was made: the CPU profile lives on the host network.
