@@ -216,6 +216,8 @@ class Comparison:
 
 
 async def compare_documents(vllm_url: str) -> Comparison:
+    async with httpx.AsyncClient(timeout=30) as client:
+        (await client.post(f"{vllm_url}/reset_prefix_cache")).raise_for_status()
     sequence = prompts()
     real = await per_request_counts(
         vllm_url, [{"model": "tiny", "prompt": ids, "max_tokens": 1} for ids in sequence]

@@ -4,6 +4,8 @@ output. Measured results are in docs/benchmarks/sim-vs-vllm.md."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from extproc.bench.sim_vs_vllm import (
@@ -12,21 +14,23 @@ from extproc.bench.sim_vs_vllm import (
     compare_events,
     vllm_options,
 )
-from extproc.stack.processes import free_port
-from extproc.stack.vllm import make_model, start_vllm
+from extproc.stack.vllm import VllmOptions
 
 
 @pytest.fixture(scope="module")
-def vllm_url(vllm_interpreter, tmp_path_factory):
-    work = tmp_path_factory.mktemp("acct")  # short: vLLM binds IPC sockets under it
-    model = make_model(vllm_interpreter, work / "model")
-    host = "127.0.0.29"
-    port = free_port(host)
-    (server,) = start_vllm(vllm_interpreter, vllm_options(model), [(host, port)], work / "vllm")
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop(timeout=20)
+def vllm_url(vllm_stack, options):
+    """The tier's first engine. It has the accounting's model and cache (vllm_options), and
+    max_num_seqs 8 instead of 1, which one request at a time never reaches: an engine of
+    its own (a minute to start on 2 cores) would count the same. Each comparison resets
+    the engine's prefix cache first."""
+    accounting = vllm_options(Path("model"))
+    assert options.model_shape == "tiny" and not options.vllm
+    assert (accounting.num_blocks, accounting.max_model_len) == (
+        VllmOptions.num_blocks,
+        VllmOptions.max_model_len,
+    )
+    stack, _ = vllm_stack
+    return f"http://{stack.backend_addresses[0]}"
 
 
 def show(comparison) -> None:  # type: ignore[no-untyped-def]
