@@ -166,6 +166,9 @@ class ContainerStack:
             "concurrency_threshold": THRESHOLD,
             "prefix_length": 4096,
             **INSTANT_PREFILL,  # the simulators answer at once (--ttft-ms 0)
+            # Placement is what these tests check; a loop the OS delays 0.2 s on a busy
+            # 2-core machine would shed, placing by load (tests/reliability/stacks.py).
+            "shed_lag_s": None,
             "control_plane": join(self.control_plane),
             "listen": join(self.router_address),
             "metrics_listen": join(self.router_metrics),

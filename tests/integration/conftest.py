@@ -9,6 +9,8 @@ import pytest
 
 from extproc.stack.local import INSTANT_PREFILL, LocalStack, StackSpec
 
+from ..reliability.stacks import NEVER_SHED
+
 # Simulators answer max_tokens=1 at once and hold max_tokens=N for about N * 20 ms,
 # which lets a test keep requests in flight on purpose.
 SIM_ARGS = ("--ttft-ms", "0", "--itl-ms", "20")
@@ -34,7 +36,8 @@ def variant_stack(variant: tuple[str, str], **overrides: object) -> Iterator[Loc
         body_mode=body_mode,
         sim_args=SIM_ARGS,
         router_settings={"concurrency_threshold": THRESHOLD, "prefix_length": 4096}
-        | INSTANT_PREFILL,  # the simulators answer at once (--ttft-ms 0)
+        | INSTANT_PREFILL  # the simulators answer at once (--ttft-ms 0)
+        | NEVER_SHED,
         **overrides,
     )
     with LocalStack(spec) as running:

@@ -16,6 +16,8 @@ from typing import Any
 from extproc.stack.local import INSTANT_PREFILL
 from extproc.stack.processes import wait_until
 
+from ..reliability.stacks import NEVER_SHED
+
 # One request in flight fills a host: the next new prompt overflows to its next host.
 # No balance bound, no prefill queue (the simulators answer at once), no KV events: a
 # replica learns a sibling's placement from the exchange or not at all.
@@ -24,6 +26,7 @@ ROUTING: dict[str, Any] = {
     "balance_factor": None,
     "kv_events": False,
     **INSTANT_PREFILL,
+    **NEVER_SHED,  # a shed request would leave the oracle's decisions
 }
 PUBLISHED = "prefix_router_decisions_published_total"
 APPLIED = "prefix_router_sibling_decisions_applied_total"

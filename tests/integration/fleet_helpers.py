@@ -15,6 +15,7 @@ from extproc.stack.processes import wait_until
 from extproc.stack.prometheus import scrape, total
 
 from ..prompts import document
+from ..reliability.stacks import NEVER_SHED
 
 
 def fleet_spec(backends: int = 3, **overrides) -> StackSpec:
@@ -23,7 +24,12 @@ def fleet_spec(backends: int = 3, **overrides) -> StackSpec:
         # alone (an evicted prefix is placed afresh, by its anchor and the cache pressure).
         "sim_args": ("--ttft-ms", "0", "--itl-ms", "20", "--capacity-blocks", "40000"),
         # The simulators answer at once (--ttft-ms 0).
-        "router_settings": {"concurrency_threshold": 4, "prefix_length": 4096, **INSTANT_PREFILL},
+        "router_settings": {
+            "concurrency_threshold": 4,
+            "prefix_length": 4096,
+            **INSTANT_PREFILL,
+            **NEVER_SHED,
+        },
         "control_plane_settings": FAST_CONTROL_PLANE,
         **overrides,
     }

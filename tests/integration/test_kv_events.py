@@ -10,6 +10,7 @@ puts a prompt on an engine behind every router's back and checks the routers kno
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import httpx
 import pytest
@@ -20,6 +21,7 @@ from extproc.stack.processes import wait_until
 from extproc.stack.prometheus import by_label, scrape
 
 from ..prompts import document
+from ..reliability.stacks import NEVER_SHED
 from ..reliability.test_replicas import ask_replica
 
 pytestmark = pytest.mark.envoy
@@ -52,8 +54,10 @@ def warm_behind_the_routers_back(stack: LocalStack, doc: int, host: str) -> None
     assert response.status_code == 200
 
 
-def spec(**overrides: object) -> StackSpec:
-    return StackSpec.ephemeral(3, sim_args=("--ttft-ms", "0", "--itl-ms", "0"), **overrides)
+def spec(**overrides: Any) -> StackSpec:
+    settings = {**NEVER_SHED, **overrides.pop("router_settings", {})}
+    sim_args = ("--ttft-ms", "0", "--itl-ms", "0")
+    return StackSpec.ephemeral(3, sim_args=sim_args, router_settings=settings, **overrides)
 
 
 def test_every_replica_routes_to_the_engine_that_holds_the_prompt_whoever_put_it_there():

@@ -22,6 +22,7 @@ from extproc.stack.local import LocalStack, StackSpec, envoy_counters, scrape_me
 from extproc.stack.processes import ManagedProcess, free_ports, tcp_open, wait_until
 from extproc.stack.upstream_tls import UpstreamTls
 
+from ..reliability.stacks import NEVER_SHED
 from ..tls_certs import Identity, Pki, make_pki
 from .conftest import SIM_ARGS
 
@@ -72,6 +73,7 @@ def stack(pki: Pki) -> Iterator[LocalStack]:
             "control_plane_cert_file": str(pki.router_client.cert),
             "control_plane_key_file": str(pki.router_client.key),
             "prefix_length": 4096,
+            **NEVER_SHED,
         },
         control_plane_settings=server_settings(pki.control_plane, pki),
         envoy_settings={

@@ -8,6 +8,7 @@ import httpx
 from extproc.stack.local import LocalStack, StackSpec
 
 from ..prompts import document
+from ..reliability.stacks import NEVER_SHED
 
 TRUSTED = "x-tenant-id"
 
@@ -16,7 +17,7 @@ def test_salts_a_client_sends_move_nothing_when_the_salt_is_trusted():
     spec = StackSpec.ephemeral(
         3,
         sim_args=("--ttft-ms", "0", "--itl-ms", "0"),
-        router_settings={"trusted_salt_header": TRUSTED},
+        router_settings={"trusted_salt_header": TRUSTED, **NEVER_SHED},
         envoy_settings={"trusted_salt_header": TRUSTED},
     )
     with LocalStack(spec) as stack, httpx.Client(base_url=stack.url, timeout=30) as client:

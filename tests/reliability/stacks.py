@@ -23,16 +23,18 @@ from .steady import CHAT, chat
 # weights, which move new prefixes as the load shifts; simulators that answer at once, so
 # no prefill queue builds), so placements can be compared exactly while background
 # traffic runs.
+# Never shed, for tests about placement. A router whose loop wakes 0.2 s late sheds by
+# design: it places by load alone and ends the stream at the headers
+# (tests/integration/test_shedding.py). On a 2-core CI machine starting vLLM engines
+# beside these tests, the OS alone delays the loop that much at times: the project's CI
+# then saw documents on two and three hosts, and a stream that ended before its body was
+# answered. No test stack here sees a backlog near shed_backlog.
+NEVER_SHED: dict[str, Any] = {"shed_lag_s": None}
 PINNED_ROUTING = {
     "concurrency_threshold": 64,
     "balance_factor": None,
     "prefix_length": 4096,
-    # Never shed. A router whose loop wakes 0.2 s late sheds by design: it places by load
-    # alone and ends the stream at the headers (tests/integration/test_shedding.py). On a
-    # 2-core CI machine starting vLLM engines beside these tests, the OS alone delays the
-    # loop that much at times; clean-clone runs then saw a document on two hosts and a
-    # stream that ended before its body was answered. These tests are about placement.
-    "shed_lag_s": None,
+    **NEVER_SHED,
     **INSTANT_PREFILL,
 }
 PINNED_CONTROL_PLANE = {
