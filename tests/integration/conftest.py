@@ -38,6 +38,12 @@ def variant_stack(variant: tuple[str, str], **overrides: object) -> Iterator[Loc
         router_settings={"concurrency_threshold": THRESHOLD, "prefix_length": 4096}
         | INSTANT_PREFILL  # the simulators answer at once (--ttft-ms 0)
         | NEVER_SHED,
+        # Placement by hash alone: a new prefix's place moves with the hosts' prompt-token
+        # rates under cache pressure, so which hosts the earlier tests on this stack fed
+        # would decide where the next test's new prefixes go: a clean-clone run beside a
+        # busy core saw all 12 tenants of test_tenants_are_routed_independently on one
+        # host. Pressure has its own tests (tests/control/test_pressure.py).
+        control_plane_settings={"load_feed": {"pressure_factor": None}},
         **overrides,
     )
     with LocalStack(spec) as running:
