@@ -215,9 +215,15 @@ class Comparison:
         return [tuple(x) for x in self.vllm] == [tuple(x) for x in self.simulator]
 
 
-async def compare_documents(vllm_url: str) -> Comparison:
+async def reset_prefix_cache(url: str) -> None:
+    """Empty an engine's prefix cache (vLLM's dev-mode endpoint; the simulator's too), so a
+    comparison starts cold on an engine that served before."""
     async with httpx.AsyncClient(timeout=30) as client:
-        (await client.post(f"{vllm_url}/reset_prefix_cache")).raise_for_status()
+        (await client.post(f"{url}/reset_prefix_cache")).raise_for_status()
+
+
+async def compare_documents(vllm_url: str) -> Comparison:
+    await reset_prefix_cache(vllm_url)
     sequence = prompts()
     real = await per_request_counts(
         vllm_url, [{"model": "tiny", "prompt": ids, "max_tokens": 1} for ids in sequence]
@@ -266,8 +272,7 @@ async def block_events(url: str) -> tuple[int, int]:
 
 
 async def _events_of(url: str, bodies: list[dict[str, Any]]) -> tuple[int, int]:
-    async with httpx.AsyncClient(timeout=30) as client:
-        (await client.post(f"{url}/reset_prefix_cache")).raise_for_status()
+    await reset_prefix_cache(url)
     before = await block_events(url)
     await per_request_counts(url, bodies)
     after = await block_events(url)
@@ -289,8 +294,7 @@ async def compare_events(vllm_url: str) -> Comparison:
 
 
 async def compare_conversation(vllm_url: str) -> Comparison:
-    async with httpx.AsyncClient(timeout=30) as client:
-        (await client.post(f"{vllm_url}/reset_prefix_cache")).raise_for_status()
+    await reset_prefix_cache(vllm_url)
     real = await converse(vllm_url, VllmTokens())
     async with simulated_instance() as sim_url:
         simulated = await converse(sim_url, SimText())

@@ -4,31 +4,25 @@ output. Measured results are in docs/benchmarks/sim-vs-vllm.md."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from extproc.bench.sim_vs_vllm import (
+    NUM_BLOCKS,
     compare_conversation,
     compare_documents,
     compare_events,
-    vllm_options,
 )
 from extproc.stack.vllm import VllmOptions
 
 
 @pytest.fixture(scope="module")
 def vllm_url(vllm_stack, options):
-    """The tier's first engine. It has the accounting's model and cache (vllm_options), and
+    """The tier's first engine. It has the accounting's model and cache (NUM_BLOCKS), and
     max_num_seqs 8 instead of 1, which one request at a time never reaches: an engine of
     its own (a minute to start on 2 cores) would count the same. Each comparison resets
     the engine's prefix cache first."""
-    accounting = vllm_options(Path("model"))
     assert options.model_shape == "tiny" and not options.vllm
-    assert (accounting.num_blocks, accounting.max_model_len) == (
-        VllmOptions.num_blocks,
-        VllmOptions.max_model_len,
-    )
+    assert VllmOptions.num_blocks == NUM_BLOCKS
     stack, _ = vllm_stack
     return f"http://{stack.backend_addresses[0]}"
 
